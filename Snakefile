@@ -1,0 +1,49 @@
+"""servegrid: measure LLM-serving configurations cell by cell, then report a verdict.
+
+    config ─► server_spec ─► cell (one per grid point) ─► server_stop
+                                      │
+                                      ▼
+                 aggregate (Parquet) ─► figures ─► report_document (pt, hu × HTML, PDF)
+
+`snakemake --cores 1 report` runs what is stale; `snakemake -n report` shows
+what would run and why.
+"""
+
+
+from snakemake.utils import min_version
+
+min_version("9.17")
+
+
+# --configfile replaces config.yaml instead of being merged into it, so a demo
+# config never inherits the GPU host's configurations.
+if not workflow.config_settings.configfiles:
+
+    configfile: "config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/servers.smk"
+include: "workflow/rules/cells.smk"
+include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/figures.smk"
+include: "workflow/rules/report.smk"
+
+
+rule report:
+    default_target: True
+    input:
+        expand(
+            paths.REPORT_DIR + "/servegrid-{lang}.{ext}",
+            lang=LANGUAGES,
+            ext=["html", "pdf"],
+        ),
+
+
+onsuccess:
+    stop_all_servers("pipeline finished")
+
+
+onerror:
+    stop_all_servers("pipeline failed or was interrupted")

@@ -1,0 +1,16 @@
+"""All cells of the current grid → Parquet tables."""
+
+
+rule aggregate:
+    input:
+        cells=all_cells(),
+        stops=all_server_stops(),
+    output:
+        requests=paths.REQUESTS_TABLE,
+        summary=paths.SUMMARY_TABLE,
+        servers=paths.SERVERS_TABLE,
+        comparisons=paths.COMPARISONS_TABLE,
+    log:
+        "results/logs/aggregate.log",
+    script:
+        "../scripts/aggregate.py"

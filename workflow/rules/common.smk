@@ -1,0 +1,88 @@
+"""Configuration, the grid, and the helpers every rule file uses."""
+
+import os
+from pathlib import Path
+
+from snakemake.utils import validate
+
+from servegrid import paths
+from servegrid import server as servers
+from servegrid.config import Experiment, canonical_json
+from servegrid.figures import figure_paths
+from servegrid.procs import ProcessRef
+
+
+validate(config, "../schemas/config.schema.yaml")
+EXPERIMENT = Experiment(
+    config,
+    source=", ".join(str(p) for p in workflow.config_settings.configfiles) or "config.yaml",
+)
+CONFIGURATIONS = list(EXPERIMENT.configurations)
+LANGUAGES = EXPERIMENT.languages
+REPORT_TEMPLATES = sorted(str(p) for p in Path("report/templates").glob("*") if p.is_file())
+
+# Servers that this run's cells start belong to this Snakemake process: their
+# supervisors take them down if it disappears, even by SIGKILL.
+os.environ[servers.OWNER_ENV] = str(os.getpid())
+
+
+wildcard_constraints:
+    configuration="|".join(CONFIGURATIONS),
+    mode="|".join(EXPERIMENT.modes()),
+    context=r"\d+",
+    concurrency=r"\d+",
+    lang="|".join(LANGUAGES),
+
+
+def cell_of(wildcards):
+    return EXPERIMENT.cell(
+        wildcards.configuration,
+        wildcards.mode,
+        int(wildcards.context),
+        int(wildcards.concurrency),
+    )
+
+
+def cell_settings(wildcards):
+    """The cell's own slice of the config: changing anything else reruns nothing."""
+    return canonical_json(EXPERIMENT.cell_settings(cell_of(wildcards)))
+
+
+def launch_spec(wildcards):
+    return canonical_json(EXPERIMENT.launch_spec(wildcards.configuration))
+
+
+def cells_of_configuration(wildcards):
+    return [cell.path for cell in EXPERIMENT.cells(wildcards.configuration)]
+
+
+def all_cells():
+    return [cell.path for cell in EXPERIMENT.cells()]
+
+
+def all_server_stops():
+    return [paths.server_stop(name) for name in CONFIGURATIONS]
+
+
+# With --cores 1 Snakemake runs the highest priority ready job first: all cells
+# of the first configuration, then its server_stop, then the next
+# configuration. So each server starts at most once per run and is stopped
+# before the next one needs the machine.
+def cell_priority(wildcards):
+    return 1000 - 2 * EXPERIMENT.configuration_index(wildcards.configuration)
+
+
+def stop_priority(wildcards):
+    return cell_priority(wildcards) - 1
+
+
+def model_inputs(wildcards):
+    return [EXPERIMENT.raw["model"]["path"]] if EXPERIMENT.raw["model"]["tiny"] else []
+
+
+def stop_all_servers(reason):
+    """Last line of teardown: every server this Snakemake process started."""
+    runtime = servers.Runtime.from_config(EXPERIMENT.operations, gpus=[])
+    for outcome in servers.stop_all(runtime, owner=ProcessRef.of(os.getpid()), reason=reason):
+        if outcome["was_running"]:
+            print(f"servegrid: stopped server session {outcome['session']} ({reason})")

@@ -1,0 +1,228 @@
+"""Cell files → one per-request table, one per-cell summary, one server table.
+
+Per-request figures (formulas; times from the client's monotonic clock):
+- ``ttft_s`` = arrival of the first token-carrying chunk − send time
+- ``e2e_s`` = stream end − send time
+- ``tpot_s`` = (e2e_s − ttft_s) / (output tokens − 1)
+- ``decode_tps`` = (output tokens − 1) / (e2e_s − ttft_s), decode speed seen by one session
+- ``send_delay_s`` = send time − intended send time (client-side queueing)
+- per-token ITL: each chunk after the first contributes ``tokens`` values of
+  gap / tokens, where gap is the time since the previous chunk
+- ``chunk_gap``: the raw gaps between chunks (upstream's "ITL")
+A request is valid when it has no error and the server reported exactly the
+prompt and output token counts that were requested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from servegrid import atomic, records, stats
+from servegrid.config import Experiment
+
+
+@dataclass(frozen=True)
+class Primary:
+    """The figure a mode is judged by."""
+
+    column: str
+    higher_is_better: bool
+    turn: int | None = None  # multi_turn: only this turn's requests
+
+
+PRIMARY: dict[str, Primary] = {
+    "decode": Primary("decode_tps", higher_is_better=True),
+    "single_turn": Primary("ttft_s", higher_is_better=False),
+    "multi_turn": Primary("ttft_s", higher_is_better=False, turn=2),
+}
+
+CELL_KEYS = ["configuration", "mode", "context", "concurrency"]
+
+
+def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    frames, metas = [], []
+    for path in paths:
+        table, meta = records.read_cell(path)
+        frame = table.to_pandas()
+        cell = meta["cell"]
+        for key in CELL_KEYS:
+            frame[key] = cell[key]
+        frames.append(frame)
+        metas.append(meta)
+    if not frames:
+        return pd.DataFrame(columns=CELL_KEYS), metas
+    df = pd.concat(frames, ignore_index=True)
+    return df[CELL_KEYS + [c for c in df.columns if c not in CELL_KEYS]], metas
+
+
+def derive(df: pd.DataFrame) -> pd.DataFrame:
+    """Add the per-request figures named in the module docstring."""
+    out = df.copy()
+    out["ttft_s"] = [t[0] if t is not None and len(t) else np.nan for t in out["chunk_times_s"]]
+    out["e2e_s"] = out["end_s"] - out["sent_s"]
+    decode_time = out["e2e_s"] - out["ttft_s"]
+    steps = out["output_tokens_reported"].astype("float64") - 1
+    out["tpot_s"] = np.where(steps > 0, decode_time / steps, np.nan)
+    out["decode_tps"] = np.where((steps > 0) & (decode_time > 0), steps / decode_time, np.nan)
+    out["send_delay_s"] = out["sent_s"] - out["intended_send_s"]
+    out["tokens_per_chunk"] = [float(np.mean(t)) if t is not None and len(t) else np.nan for t in out["chunk_tokens"]]
+    out["prompt_tokens_ok"] = out["prompt_tokens_reported"] == out["prompt_tokens_requested"]
+    out["output_tokens_ok"] = out["output_tokens_reported"] == out["output_tokens_requested"]
+    out["valid"] = out["error"].isna() & out["prompt_tokens_ok"] & out["output_tokens_ok"]
+    return out
+
+
+def per_token_itl(chunk_times: np.ndarray, chunk_tokens: np.ndarray) -> np.ndarray:
+    times = np.asarray(chunk_times, dtype=float)
+    tokens = np.asarray(chunk_tokens, dtype=float)
+    if times.size < 2:
+        return np.empty(0)
+    gaps = np.diff(times)
+    return np.repeat(gaps / tokens[1:], tokens[1:].astype(int))
+
+
+def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experiment) -> dict[str, Any]:
+    cell = meta["cell"]
+    mode = cell["mode"]
+    measured = frame[frame["phase"] == "measured"]
+    valid = measured[measured["valid"]]
+    primary = PRIMARY[mode]
+    primary_rows = valid if primary.turn is None else valid[valid["turn"] == primary.turn]
+    conf = experiment.configurations.get(cell["configuration"], {})
+    row: dict[str, Any] = {
+        **{k: cell[k] for k in CELL_KEYS},
+        "cell_id": cell["id"],
+        "label": conf.get("label", cell["configuration"]),
+        "prefix_caching": conf.get("prefix_caching"),
+        "speculative_method": (conf.get("speculative") or {}).get("method"),
+        "n_requests": len(measured),
+        "n_valid": len(valid),
+        "n_errors": int(measured["error"].notna().sum()),
+        "n_token_mismatch": int((measured["error"].isna() & ~(measured["prompt_tokens_ok"] & measured["output_tokens_ok"])).sum()),
+        "duration_s": meta.get("duration_s"),
+        "primary_metric": primary.column if primary.turn is None else f"{primary.column}@turn{primary.turn}",
+        "primary_higher_is_better": primary.higher_is_better,
+        "primary_n": len(primary_rows),
+    }
+    row["valid"] = row["n_requests"] > 0 and row["n_errors"] == 0 and row["n_token_mismatch"] == 0
+    values = primary_rows[primary.column].to_numpy(dtype=float)
+    row["primary_p50"] = stats.percentiles(values)["p50"]
+    row["primary_ci_low"], row["primary_ci_high"] = stats.median_ci(values)
+    for column in ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s"):
+        for name, value in stats.percentiles(valid[column].to_numpy(dtype=float)).items():
+            row[f"{column}_{name}"] = value
+    itl = [per_token_itl(t, k) for t, k in zip(valid["chunk_times_s"], valid["chunk_tokens"], strict=True)]
+    gaps = [np.diff(np.asarray(t, dtype=float)) for t in valid["chunk_times_s"] if len(t) > 1]
+    for prefix, parts in (("itl_token_s", itl), ("chunk_gap_s", gaps)):
+        flat = np.concatenate(parts) if parts else np.empty(0)
+        for name, value in stats.percentiles(flat).items():
+            row[f"{prefix}_{name}"] = value
+    row["tokens_per_chunk_mean"] = float(valid["tokens_per_chunk"].mean()) if len(valid) else None
+    if len(valid):
+        window = valid["end_s"].max() - valid["sent_s"].min()
+        row["output_tps_total"] = float(valid["output_tokens_reported"].sum() / window) if window > 0 else None
+    else:
+        row["output_tps_total"] = None
+    for turn in sorted(valid["turn"].unique()) if mode == "multi_turn" else ():
+        turn_rows = valid[valid["turn"] == turn]
+        row[f"ttft_turn{turn}_p50"] = float(turn_rows["ttft_s"].median())
+    probe = frame[(frame["phase"] == "probe") & frame["valid"]]
+    if mode == "single_turn" and len(probe) == 2:
+        row["probe_first_ttft_s"] = float(probe.loc[probe["turn"] == 1, "ttft_s"].iloc[0])
+        row["probe_second_ttft_s"] = float(probe.loc[probe["turn"] == 2, "ttft_s"].iloc[0])
+    server_metrics = meta["server_metrics"]
+    row.update({f"server_{k}": v for k, v in server_metrics["derived"].items()})
+    row["server_preemptions"] = server_metrics["delta"].get("num_preemptions")
+    row.update({f"server_{k}": v for k, v in server_metrics["gauges"].items() if k not in ("samples", "scrape_errors")})
+    server = meta["server"]
+    row["engine_version"] = server.get("engine_version")
+    row["kv_cache_tokens"] = server.get("kv_cache_tokens")
+    row["server_session"] = server.get("session")
+    row["spec_hash"] = meta["spec_hash"]
+    row["started_at"] = meta["started_at"]
+    return row
+
+
+def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experiment) -> pd.DataFrame:
+    rows = []
+    for meta in metas:
+        cell = meta["cell"]
+        mask = np.ones(len(df), dtype=bool)
+        for key in CELL_KEYS:
+            mask &= (df[key] == cell[key]).to_numpy()
+        rows.append(_cell_summary(df[mask], meta, experiment))
+    summary = pd.DataFrame(rows)
+    if not summary.empty:
+        summary = summary.sort_values(CELL_KEYS, key=_grid_order(experiment)).reset_index(drop=True)
+    return summary
+
+
+def _grid_order(experiment: Experiment):  # type: ignore[no-untyped-def]
+    configurations = list(experiment.configurations)
+    modes = list(experiment.modes())
+
+    def key(column: pd.Series) -> pd.Series:
+        if column.name == "configuration":
+            return column.map(lambda v: configurations.index(v) if v in configurations else len(configurations))
+        if column.name == "mode":
+            return column.map(lambda v: modes.index(v) if v in modes else len(modes))
+        return column
+
+    return key
+
+
+def servers(metas: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per server session that measured at least one cell."""
+    seen: dict[str, dict[str, Any]] = {}
+    for meta in metas:
+        facts = meta["server"]
+        if facts["session"] in seen:
+            seen[facts["session"]]["cells"] += 1
+            continue
+        host = facts.get("host") or {}
+        seen[facts["session"]] = {
+            "configuration": facts["configuration"],
+            "session": facts["session"],
+            "spec_hash": facts["spec_hash"],
+            "engine_version": facts.get("engine_version"),
+            "argv": list(facts["argv"]),
+            "env": [f"{k}={v}" for k, v in sorted(facts["env"].items())],
+            "kv_cache_tokens": facts.get("kv_cache_tokens"),
+            "max_concurrency": facts.get("max_concurrency"),
+            "max_model_len": facts.get("max_model_len"),
+            "startup_s": facts.get("startup_s"),
+            "started_at": facts.get("started_at"),
+            "log_path": facts.get("log_path"),
+            "host_cpu": host.get("cpu"),
+            "host_cpu_count": host.get("cpu_count"),
+            "host_memory_gib": host.get("memory_gib"),
+            "host_os": host.get("os"),
+            "host_gpus": "; ".join(f"{g['index']}: {g['name']} ({g['memory']})" for g in host.get("gpus") or []),
+            "cells": 1,
+        }
+    return pd.DataFrame(list(seen.values()))
+
+
+def aggregate(
+    experiment: Experiment,
+    cell_paths: list[str],
+    requests_out: str,
+    summary_out: str,
+    servers_out: str,
+    comparisons_out: str,
+) -> pd.DataFrame:
+    from servegrid import verdict  # verdict builds on this module's definitions
+
+    df, metas = load_cells(cell_paths)
+    derived = derive(df) if len(df) else df
+    summary = summarize(derived, metas, experiment)
+    comparisons = verdict.compare(summary, derived)
+    outputs = ((derived, requests_out), (summary, summary_out), (servers(metas), servers_out), (comparisons, comparisons_out))
+    for frame, out in outputs:
+        with atomic.atomic_path(out) as tmp:
+            frame.to_parquet(tmp, index=False)
+    return summary

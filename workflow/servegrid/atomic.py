@@ -1,0 +1,63 @@
+"""Write outputs so that a reader sees either nothing or the complete file.
+
+A killed job leaves at most a dot-file with ``.partial`` in its name next to
+the target: nothing that looks like a finished output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path | str) -> Iterator[Path]:
+    """Yield a temporary path beside ``target``; rename it over ``target`` on success."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    # mkstemp creates 0600; a finished output gets the usual umask-based mode.
+    os.chmod(tmp, 0o666 & ~_umask())
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(target: Path | str, content: str) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_text(content, encoding="utf-8")
+
+
+def write_json(target: Path | str, obj: Any) -> None:
+    write_text(target, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory; it replaces ``target`` on success."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current

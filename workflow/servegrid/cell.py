@@ -1,0 +1,124 @@
+"""Run one grid cell: ensure its server, run the workload, write the cell file."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from servegrid import metrics, records, server
+from servegrid.client import RequestRecord, Streamer
+from servegrid.config import Cell, Experiment
+from servegrid.prompts import PromptBuilder
+from servegrid.workloads import WORKLOADS, WorkloadContext
+
+log = logging.getLogger(__name__)
+
+
+class CellError(RuntimeError):
+    """The cell could not be measured; nothing was written."""
+
+
+def corpus_tokens_needed(settings: dict[str, Any]) -> int:
+    workload = settings["workload"]
+    longest = settings["context"] + workload.get("suffix_tokens", 0) + workload.get("tokens_per_turn", 0)
+    return min(max(longest + 512, 4096), 200_000)
+
+
+async def _measure(
+    settings: dict[str, Any], spec: dict[str, Any], facts: server.ServerFacts, operations: dict[str, Any]
+) -> tuple[list[RequestRecord], int, dict[str, Any]]:
+    url, model = facts.url, spec["served_name"]
+    headers = server.auth_headers(spec)
+    concurrency = settings["concurrency"]
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    timeout = httpx.Timeout(operations["request_timeout_s"], connect=30.0)
+    with httpx.Client(timeout=120.0, headers=headers) as sync_client:
+
+        def tokenize(text: str) -> list[int]:
+            response = sync_client.post(
+                f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False}
+            )
+            response.raise_for_status()
+            return list(response.json()["tokens"])
+
+        builder = PromptBuilder(tokenize, settings["content"]["seed"], corpus_tokens_needed(settings))
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+            ctx = WorkloadContext(
+                mode=settings["mode"],
+                context=settings["context"],
+                concurrency=concurrency,
+                workload=settings["workload"],
+                temperature=settings["sampling"]["temperature"],
+                model=model,
+                streamer=Streamer(client, url),
+                builder=builder,
+                sync_client=sync_client,
+                url=url,
+            )
+            sampler = metrics.GaugeSampler(client, url, model, operations["metrics_interval_s"])
+            state: dict[str, Any] = {}
+
+            async def begin_measurement() -> None:
+                state["before"] = await metrics.scrape(client, url, model)
+                state["t0_ns"] = time.monotonic_ns()
+                sampler.start()
+
+            try:
+                await WORKLOADS[settings["mode"]](ctx, begin_measurement)
+            finally:
+                await sampler.stop()
+            t1_ns = time.monotonic_ns()
+            after = await metrics.scrape(client, url, model)
+    if "t0_ns" not in state:
+        raise CellError("the workload ended before its measured phase began")
+    counter_delta = metrics.delta(state["before"], after)
+    server_metrics = {
+        "before": state["before"],
+        "after": after,
+        "delta": counter_delta,
+        "derived": metrics.derived(counter_delta),
+        "gauges": sampler.summary(),
+        "gauge_samples": [{**s, "t": s["t"] - state["t0_ns"] / 1e9} for s in sampler.samples],
+    }
+    return ctx.records, state["t0_ns"], {"server_metrics": server_metrics, "duration_s": (t1_ns - state["t0_ns"]) / 1e9}
+
+
+def run_cell(
+    experiment: Experiment,
+    cell: Cell,
+    out_path: Path | str,
+    owner: server.procs.ProcessRef | None,
+    spec: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Measure ``cell`` and write its file; returns the file's metadata."""
+    spec = spec or experiment.launch_spec(cell.configuration)
+    settings = experiment.cell_settings(cell)
+    runtime = server.Runtime.from_config(experiment.operations, experiment.configurations[cell.configuration]["gpus"])
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    facts = server.ensure(spec, runtime, owner)
+    log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
+    try:
+        request_records, t0_ns, measured = asyncio.run(_measure(settings, spec, facts, experiment.operations))
+    except httpx.HTTPError as exc:
+        raise CellError(
+            f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
+            f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
+        ) from exc
+    meta = {
+        "cell": asdict(cell) | {"id": cell.id},
+        "settings": settings,
+        "spec_hash": facts.spec_hash,
+        "server": asdict(facts),
+        "started_at": started_at,
+        "ended_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        **measured,
+    }
+    records.write_cell(out_path, request_records, t0_ns, meta)
+    return meta

@@ -1,0 +1,140 @@
+"""Streaming OpenAI-compatible client with per-chunk timestamps.
+
+Timing rules (all clocks are ``time.monotonic_ns``, system-wide on Linux):
+- ``sent`` is taken immediately before the request is handed to httpx;
+- every network read is stamped the moment ``aiter_raw`` yields it, before any
+  decoding or JSON parsing; each SSE event inherits the stamp of the read that
+  completed it;
+- a chunk's token count is the increase of ``usage.completion_tokens``
+  (``stream_options.continuous_usage_stats``), so a chunk that carries several
+  speculative tokens is counted as such, not as one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+class SSEDecoder:
+    """Incremental Server-Sent-Events framing: bytes in, ``data:`` payloads out."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        self._buffer += data
+        while True:
+            end, sep_len = _event_end(self._buffer)
+            if end < 0:
+                return
+            event, self._buffer = self._buffer[:end], self._buffer[end + sep_len :]
+            payload = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
+            if payload:
+                yield b"\n".join(payload)
+
+    @property
+    def pending(self) -> bytes:
+        return self._buffer
+
+
+def _event_end(buffer: bytes) -> tuple[int, int]:
+    """Index and length of the first blank-line separator, or (-1, 0)."""
+    candidates = [(buffer.find(sep), len(sep)) for sep in (b"\n\n", b"\r\n\r\n", b"\r\r")]
+    found = [c for c in candidates if c[0] >= 0]
+    return min(found) if found else (-1, 0)
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are monotonic nanoseconds."""
+
+    request_id: str
+    session: int
+    seq: int
+    phase: str  # "warmup" or "measured"
+    turn: int
+    prompt_tokens_requested: int
+    output_tokens_requested: int
+    intended_send_ns: int = 0
+    sent_ns: int = 0
+    end_ns: int | None = None
+    chunk_ns: list[int] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    prompt_tokens_reported: int | None = None
+    output_tokens_reported: int | None = None
+    http_status: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    messages: list[dict[str, str]] | None = None  # chat requests: what was sent
+
+    @property
+    def first_token_ns(self) -> int | None:
+        return self.chunk_ns[0] if self.chunk_ns else None
+
+
+class Streamer:
+    """Sends one streaming request and fills a :class:`RequestRecord`."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str) -> None:
+        self.client = client
+        self.base_url = base_url.rstrip("/")
+
+    async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord) -> None:
+        payload = {
+            **payload,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        decoder = SSEDecoder()
+        tokens_so_far = 0
+        text_parts: list[str] = []
+        record.sent_ns = time.monotonic_ns()
+        try:
+            async with self.client.stream("POST", self.base_url + path, json=payload) as response:
+                record.http_status = response.status_code
+                if response.status_code != 200:
+                    body = (await response.aread())[:1000].decode("utf-8", "replace")
+                    record.error = f"HTTP {response.status_code}: {body}"
+                    record.end_ns = time.monotonic_ns()
+                    return
+                async for raw in response.aiter_raw():
+                    arrived = time.monotonic_ns()
+                    for data in decoder.feed(raw):
+                        if data == b"[DONE]":
+                            continue
+                        event = json.loads(data)
+                        if "error" in event:
+                            record.error = f"stream error: {json.dumps(event['error'])[:500]}"
+                            continue
+                        usage = event.get("usage") or {}
+                        for choice in event.get("choices") or ():
+                            text_parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                            if choice.get("finish_reason"):
+                                record.finish_reason = choice["finish_reason"]
+                        if "completion_tokens" in usage:
+                            new_tokens = usage["completion_tokens"] - tokens_so_far
+                            tokens_so_far = usage["completion_tokens"]
+                            record.prompt_tokens_reported = usage.get("prompt_tokens")
+                            record.output_tokens_reported = tokens_so_far
+                        else:
+                            new_tokens = 0
+                        if new_tokens > 0:
+                            record.chunk_ns.append(arrived)
+                            record.chunk_tokens.append(new_tokens)
+                record.end_ns = time.monotonic_ns()
+        except httpx.HTTPError as exc:
+            record.end_ns = time.monotonic_ns()
+            record.error = f"{type(exc).__name__}: {exc}"[:1000]
+        except json.JSONDecodeError as exc:
+            record.end_ns = time.monotonic_ns()
+            record.error = f"malformed SSE payload: {exc}"
+        record.text = "".join(text_parts)
+        if record.error is None and record.output_tokens_reported is None:
+            record.error = "stream ended without usage (the server must honour stream_options.continuous_usage_stats)"

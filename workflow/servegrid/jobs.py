@@ -1,0 +1,126 @@
+"""Glue between Snakemake ``script:`` jobs and the package.
+
+Each function takes the ``snakemake`` object a script job receives, sends
+logging to the rule's ``log:`` file, and calls the same package functions the
+CLI calls. An expected failure (bad server, unreachable endpoint) ends the job
+with its message alone, not a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from servegrid import atomic, server
+from servegrid.cell import CellError
+from servegrid.config import ConfigError, Experiment
+
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ConfigError, server.ServerError, CellError)
+
+
+def _setup_logging(smk: Any, experiment: Experiment | None = None) -> None:
+    level = experiment.operations["log_level"] if experiment else "INFO"
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if smk.log:
+        Path(smk.log[0]).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(smk.log[0], mode="w"))
+    logging.basicConfig(level=level, handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run(smk: Any, body: Callable[[Experiment], None]) -> None:
+    experiment = Experiment(smk.config)
+    _setup_logging(smk, experiment)
+    try:
+        body(experiment)
+    except EXPECTED_ERRORS as exc:
+        logging.getLogger("servegrid").error("%s", exc)
+        sys.exit(1)
+
+
+def write_spec(smk: Any) -> None:
+    def body(experiment: Experiment) -> None:
+        spec = json.loads(smk.params.spec)
+        atomic.write_json(smk.output[0], spec)
+
+    _run(smk, body)
+
+
+def run_cell(smk: Any) -> None:
+    from servegrid.cell import run_cell as measure
+
+    def body(experiment: Experiment) -> None:
+        wc = smk.wildcards
+        cell = experiment.cell(wc.configuration, wc.mode, int(wc.context), int(wc.concurrency))
+        spec = json.loads(Path(smk.input.spec).read_text(encoding="utf-8"))
+        if spec != experiment.launch_spec(cell.configuration):
+            raise ConfigError(f"{smk.input.spec} does not match the configuration; rerun its server_spec job")
+        measure(experiment, cell, smk.output[0], owner=server.owner_from_env(), spec=spec)
+
+    _run(smk, body)
+
+
+def stop_server(smk: Any) -> None:
+    def body(experiment: Experiment) -> None:
+        name = smk.wildcards.configuration
+        runtime = server.Runtime.from_config(experiment.operations, experiment.configurations[name]["gpus"])
+        stopped = server.stop(name, runtime, reason="last cell of the configuration done")
+        atomic.write_json(smk.output[0], {"configuration": name, "stopped": stopped})
+
+    _run(smk, body)
+
+
+def build_model(smk: Any) -> None:
+    from servegrid import model
+
+    def body(experiment: Experiment) -> None:
+        spec = model.TinyModelSpec(**experiment.raw["model"]["tiny"])
+        model.build(Path(smk.output[0]), spec)
+
+    _run(smk, body)
+
+
+def aggregate(smk: Any) -> None:
+    from servegrid import aggregate as agg
+
+    def body(experiment: Experiment) -> None:
+        agg.aggregate(
+            experiment,
+            list(smk.input.cells),
+            requests_out=smk.output.requests,
+            summary_out=smk.output.summary,
+            servers_out=smk.output.servers,
+            comparisons_out=smk.output.comparisons,
+        )
+
+    _run(smk, body)
+
+
+def figures(smk: Any) -> None:
+    from servegrid import figures as fig
+
+    def body(experiment: Experiment) -> None:
+        fig.draw_all(experiment, smk.input.summary, Path(smk.params.out_dir))
+
+    _run(smk, body)
+
+
+def render_report(smk: Any) -> None:
+    from servegrid import report
+
+    def body(experiment: Experiment) -> None:
+        report.render(
+            experiment,
+            lang=smk.wildcards.lang,
+            summary_path=smk.input.summary,
+            comparisons_path=smk.input.comparisons,
+            servers_path=smk.input.servers,
+            figures_dir=Path(smk.params.figures_dir),
+            html_out=smk.output.html,
+            pdf_out=smk.output.pdf,
+        )
+
+    _run(smk, body)

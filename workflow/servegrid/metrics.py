@@ -1,0 +1,129 @@
+"""vLLM's Prometheus metrics: scrape, normalise names across versions, diff.
+
+Names changed across vLLM releases (``vllm:gpu_prefix_cache_hits`` became
+``vllm:prefix_cache_hits``; ``gpu_cache_usage_perc`` became
+``kv_cache_usage_perc``; counters gained ``_total`` in the exposition). Every
+sample is reduced to a canonical name and summed over engines and other
+labels, keeping only the served model's series when the server labels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+COUNTERS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "num_preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+)
+GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+
+_ALIASES = {
+    "gpu_prefix_cache_queries": "prefix_cache_queries",
+    "gpu_prefix_cache_hits": "prefix_cache_hits",
+    "gpu_cache_usage_perc": "kv_cache_usage_perc",
+    "cpu_cache_usage_perc": "kv_cache_usage_perc",
+}
+
+
+def canonical_name(sample_name: str) -> str:
+    name = sample_name.removeprefix("vllm:")
+    if name.endswith("_created"):  # creation timestamps, never values
+        return ""
+    name = name.removesuffix("_total")
+    return _ALIASES.get(name, name)
+
+
+def parse(exposition: str, model_name: str | None = None) -> dict[str, float]:
+    """Canonical metric name → value, summed over label sets."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            name = canonical_name(sample.name)
+            if name not in COUNTERS and name not in GAUGES:
+                continue
+            labels = sample.labels
+            if model_name and "model_name" in labels and labels["model_name"] != model_name:
+                continue
+            values[name] = values.get(name, 0.0) + float(sample.value)
+    return values
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Counter increase over a cell; None where the server does not expose the counter."""
+    return {name: (after[name] - before.get(name, 0.0)) if name in after else None for name in COUNTERS}
+
+
+def derived(counter_delta: dict[str, float | None]) -> dict[str, float | None]:
+    """Hit rate and speculative-decoding figures from counter deltas."""
+    queries = counter_delta.get("prefix_cache_queries")
+    hits = counter_delta.get("prefix_cache_hits")
+    drafts = counter_delta.get("spec_decode_num_drafts")
+    draft_tokens = counter_delta.get("spec_decode_num_draft_tokens")
+    accepted = counter_delta.get("spec_decode_num_accepted_tokens")
+    return {
+        "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,
+        "spec_acceptance_rate": (accepted / draft_tokens) if draft_tokens and accepted is not None else None,
+        # Tokens per verification step: one target token plus the accepted drafts.
+        "spec_mean_acceptance_length": (1 + accepted / drafts) if drafts and accepted is not None else None,
+    }
+
+
+async def scrape(client: httpx.AsyncClient, url: str, model_name: str | None) -> dict[str, float]:
+    response = await client.get(f"{url}/metrics")
+    response.raise_for_status()
+    return parse(response.text, model_name)
+
+
+@dataclass
+class GaugeSampler:
+    """Samples the gauges every ``interval_s`` while a cell runs."""
+
+    client: httpx.AsyncClient
+    url: str
+    model_name: str | None
+    interval_s: float
+    samples: list[dict[str, float]] = field(default_factory=list)
+    errors: int = 0
+    _task: asyncio.Task | None = None
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                values = await scrape(self.client, self.url, self.model_name)
+                self.samples.append({"t": time.monotonic(), **{g: values.get(g, float("nan")) for g in GAUGES}})
+            except httpx.HTTPError:
+                self.errors += 1
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"samples": len(self.samples), "scrape_errors": self.errors}
+        for gauge in GAUGES:
+            series = [s[gauge] for s in self.samples if s[gauge] == s[gauge]]
+            out[f"{gauge}_max"] = max(series) if series else None
+            out[f"{gauge}_mean"] = statistics.fmean(series) if series else None
+        return out

@@ -1,0 +1,103 @@
+"""Process identity and process-group teardown.
+
+A pid alone is not an identity (pids are reused), so every pid servegrid keeps
+is paired with the process's start time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    pid: int
+    create_time: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef:
+        return cls(pid, psutil.Process(pid).create_time())
+
+    def alive(self) -> bool:
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.create_time() == self.create_time and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def to_dict(self) -> dict[str, float]:
+        return {"pid": self.pid, "create_time": self.create_time}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> ProcessRef | None:
+        return cls(int(data["pid"]), float(data["create_time"])) if data else None
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live processes whose process group is ``pgid``."""
+    members = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and all its descendants (those that left its process group too)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def terminate_group(pgid: int, grace_s: float, extra: list[psutil.Process] | None = None) -> dict[str, int]:
+    """SIGTERM the whole group (and ``extra`` processes), SIGKILL what is left after ``grace_s``.
+
+    Returns how many processes each signal reached, for the record.
+    """
+    if pgid in (0, 1, os.getpgrp()):
+        raise ValueError(f"refusing to signal process group {pgid}: it is not a server's own group")
+    targets = {p.pid: p for p in group_members(pgid) + list(extra or [])}
+    _signal_group(pgid, signal.SIGTERM)
+    for proc in targets.values():
+        _signal(proc, signal.SIGTERM)
+    _, alive = psutil.wait_procs(list(targets.values()), timeout=grace_s)
+    # Members may have forked during shutdown: look again.
+    leftovers = {p.pid: p for p in alive + group_members(pgid)}
+    _signal_group(pgid, signal.SIGKILL)
+    for proc in leftovers.values():
+        _signal(proc, signal.SIGKILL)
+    psutil.wait_procs(list(leftovers.values()), timeout=5)
+    return {"sigterm": len(targets), "sigkill": len(leftovers)}
+
+
+def wait_gone(refs: list[ProcessRef], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(r.alive() for r in refs):
+            return True
+        time.sleep(0.1)
+    return not any(r.alive() for r in refs)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass

@@ -1,0 +1,90 @@
+"""The per-cell Parquet file: one row per request, cell facts in the file metadata.
+
+Times in a cell file are seconds relative to the start of the cell's measured
+phase (``t0``), from the client's monotonic clock; chunk arrival times are
+relative to the request's own send time. Column meanings are documented in
+``docs/parquet-schema.md`` and in each field's Parquet metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from servegrid import atomic
+from servegrid.client import RequestRecord
+
+METADATA_KEY = b"servegrid.cell"
+
+
+def _field(name: str, kind: pa.DataType, doc: str, nullable: bool = True) -> pa.Field:
+    return pa.field(name, kind, nullable=nullable, metadata={"doc": doc})
+
+
+CELL_SCHEMA = pa.schema(
+    [
+        _field("request_id", pa.string(), "unique within the cell", nullable=False),
+        _field("session", pa.int32(), "closed-loop session index, 0..concurrency-1", nullable=False),
+        _field("seq", pa.int32(), "request (or conversation) index within the session", nullable=False),
+        _field("turn", pa.int32(), "conversation turn, 1-based (1 outside multi_turn)", nullable=False),
+        _field("phase", pa.string(), "measured | warmup | probe; only 'measured' enters figures", nullable=False),
+        _field("intended_send_s", pa.float64(), "when the session wanted to send (previous reply's end), s since t0"),
+        _field("sent_s", pa.float64(), "when the request was handed to httpx, s since t0"),
+        _field("end_s", pa.float64(), "when the stream closed, s since t0"),
+        _field("chunk_times_s", pa.list_(pa.float64()), "arrival of each token-carrying SSE chunk, s after sent_s"),
+        _field("chunk_tokens", pa.list_(pa.int32()), "tokens in each chunk (increase of usage.completion_tokens)"),
+        _field("prompt_tokens_requested", pa.int32(), "prompt length servegrid built (server tokenizer)"),
+        _field("prompt_tokens_reported", pa.int32(), "usage.prompt_tokens from the server"),
+        _field("output_tokens_requested", pa.int32(), "max_tokens = min_tokens, ignore_eos"),
+        _field("output_tokens_reported", pa.int32(), "usage.completion_tokens from the server"),
+        _field("http_status", pa.int32(), "HTTP status of the response"),
+        _field("finish_reason", pa.string(), "the server's finish_reason"),
+        _field("error", pa.string(), "null when the request succeeded"),
+    ]
+)
+
+
+def rows(records: list[RequestRecord], t0_ns: int) -> dict[str, list[Any]]:
+    def rel(ns: int | None, base: int) -> float | None:
+        return None if ns is None or ns == 0 else (ns - base) / 1e9
+
+    columns: dict[str, list[Any]] = {name: [] for name in CELL_SCHEMA.names}
+    for r in records:
+        columns["request_id"].append(r.request_id)
+        columns["session"].append(r.session)
+        columns["seq"].append(r.seq)
+        columns["turn"].append(r.turn)
+        columns["phase"].append(r.phase)
+        columns["intended_send_s"].append(rel(r.intended_send_ns, t0_ns))
+        columns["sent_s"].append(rel(r.sent_ns, t0_ns))
+        columns["end_s"].append(rel(r.end_ns, t0_ns))
+        columns["chunk_times_s"].append([(t - r.sent_ns) / 1e9 for t in r.chunk_ns])
+        columns["chunk_tokens"].append(list(r.chunk_tokens))
+        columns["prompt_tokens_requested"].append(r.prompt_tokens_requested)
+        columns["prompt_tokens_reported"].append(r.prompt_tokens_reported)
+        columns["output_tokens_requested"].append(r.output_tokens_requested)
+        columns["output_tokens_reported"].append(r.output_tokens_reported)
+        columns["http_status"].append(r.http_status)
+        columns["finish_reason"].append(r.finish_reason)
+        columns["error"].append(r.error)
+    return columns
+
+
+def write_cell(path: Path | str, records: list[RequestRecord], t0_ns: int, meta: dict[str, Any]) -> None:
+    """Write the cell atomically: the file appears complete or not at all."""
+    schema = CELL_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True, default=str).encode()})
+    table = pa.table(rows(records, t0_ns), schema=schema)
+    with atomic.atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def read_cell(path: Path | str) -> tuple[pa.Table, dict[str, Any]]:
+    table = pq.read_table(path)
+    raw = (table.schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise ValueError(f"{path}: not a servegrid cell file (no {METADATA_KEY.decode()} metadata)")
+    return table, json.loads(raw)

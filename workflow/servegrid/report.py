@@ -1,0 +1,268 @@
+"""The bilingual report: one jinja2 template, one gettext catalogue per language.
+
+Every number in the document comes from this run's tables and is formatted
+with Babel for the report's locale (decimal comma, the locale's thousands
+separator, "1,9×"). The HTML is self-contained (figures embedded as data
+URIs, no external fetches); the PDF is the same document rendered by
+WeasyPrint, with vector figures and fonts shipped with matplotlib so that
+ő, ű, ã and ç render on any machine.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import math
+import subprocess
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import matplotlib
+import numpy as np
+import pandas as pd
+from babel import Locale
+from babel.dates import format_date
+from babel.messages.mofile import write_mo
+from babel.messages.pofile import read_po
+from babel.numbers import format_decimal
+from babel.support import Translations
+
+from servegrid import atomic
+from servegrid.config import Experiment, canonical_json
+from servegrid.figures import FORMATS, figure_specs
+
+REPORT_ROOT = Path(__file__).resolve().parents[2] / "report"
+TEMPLATES = REPORT_ROOT / "templates"
+LOCALES = REPORT_ROOT / "locales"
+DOMAIN = "messages"
+
+
+def catalog_path(lang: str) -> Path:
+    return LOCALES / lang / "LC_MESSAGES" / f"{DOMAIN}.po"
+
+
+def available_languages() -> list[str]:
+    return sorted(p.parent.parent.name for p in LOCALES.glob(f"*/LC_MESSAGES/{DOMAIN}.po"))
+
+
+def load_catalog(lang: str) -> tuple[Translations, Locale]:
+    """Compile the language's .po catalogue in memory (no generated .mo files in the tree)."""
+    path = catalog_path(lang)
+    if not path.exists():
+        raise FileNotFoundError(f"no catalogue for language '{lang}' at {path}")
+    with path.open("rb") as handle:
+        catalog = read_po(handle, locale=None)
+    buffer = io.BytesIO()
+    write_mo(buffer, catalog, use_fuzzy=False)
+    buffer.seek(0)
+    locale = catalog.locale or Locale.parse(lang)
+    return Translations(fp=buffer, domain=DOMAIN), locale
+
+
+@dataclass
+class Formatter:
+    """Locale-aware number formatting for the template's filters."""
+
+    locale: Locale
+
+    def num(self, value: Any, digits: int = 1) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"
+        pattern = "#,##0" + ("." + "0" * digits if digits > 0 else "")
+        return format_decimal(value, format=pattern, locale=self.locale)
+
+    def integer(self, value: Any) -> str:
+        return self.num(value, 0)
+
+    def ratio(self, value: Any, digits: int = 1) -> str:
+        text = self.num(value, digits)
+        return text if text == "–" else f"{text}×"
+
+    def seconds(self, value: Any) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"
+        digits = 2 if abs(value) < 10 else 1
+        return f"{self.num(value, digits)} s"
+
+    def ms(self, value: Any) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"
+        return f"{self.num(value * 1000, 1)} ms"
+
+    def percent(self, value: Any) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"
+        return f"{self.num(value * 100, 0)} %" if self.locale.language == "hu" else f"{self.num(value * 100, 0)}%"
+
+    def date(self, value: datetime) -> str:
+        return format_date(value, format="long", locale=self.locale)
+
+
+class ReportData:
+    """Everything the template shows, derived from the run's tables."""
+
+    def __init__(
+        self, experiment: Experiment, summary: pd.DataFrame, comparisons: pd.DataFrame, servers: pd.DataFrame
+    ) -> None:
+        self.experiment = experiment
+        self.summary = summary
+        self.comparisons = comparisons
+        self.servers = servers
+
+    def configurations(self) -> list[dict[str, Any]]:
+        out = []
+        for name, conf in self.experiment.configurations.items():
+            sessions = self.servers[self.servers["configuration"] == name] if len(self.servers) else self.servers
+            latest = _plain(sessions.iloc[-1].to_dict()) if len(sessions) else {}
+            out.append(
+                {
+                    "name": name,
+                    "label": conf["label"],
+                    "prefix_caching": conf["prefix_caching"],
+                    "speculative": canonical_json(conf["speculative"]) if conf["speculative"] else None,
+                    "flags": " ".join(self.experiment.configuration_flags(name)),
+                    "gpus": conf["gpus"],
+                    "server": latest,
+                    "sessions": len(sessions),
+                }
+            )
+        return out
+
+    def mode_rows(self, mode: str) -> list[dict[str, Any]]:
+        """Rows of (context, concurrency) with each configuration's cell and the comparison."""
+        cells = self.summary[self.summary["mode"] == mode]
+        comps = self.comparisons
+        rows = []
+        for (context, concurrency), group in cells.groupby(["context", "concurrency"], sort=True):
+            by_conf = {r["configuration"]: r for r in group.to_dict("records")}
+            comp = None
+            if len(comps):
+                match = comps[
+                    (comps["mode"] == mode) & (comps["context"] == context) & (comps["concurrency"] == concurrency)
+                ]
+                comp = match.iloc[0].to_dict() if len(match) else None
+            rows.append({"context": int(context), "concurrency": int(concurrency), "cells": by_conf, "comparison": comp})
+        return rows
+
+    def verdict_rows(self) -> list[dict[str, Any]]:
+        return self.comparisons.to_dict("records") if len(self.comparisons) else []
+
+    def invalid_cells(self) -> list[dict[str, Any]]:
+        if self.summary.empty:
+            return []
+        return self.summary[~self.summary["valid"].astype(bool)].to_dict("records")
+
+    def engine_versions(self) -> list[str]:
+        if self.servers.empty:
+            return []
+        return sorted({str(v) for v in self.servers["engine_version"].dropna()})
+
+    def hardware(self) -> str:
+        if self.experiment.raw["experiment"]["hardware"]:
+            return self.experiment.raw["experiment"]["hardware"]
+        if self.servers.empty:
+            return ""
+        row = self.servers.iloc[0]
+        gpus = row.get("host_gpus") or ""
+        return f"{row['host_cpu']} ({row['host_cpu_count']} CPU, {row['host_memory_gib']} GiB){'; ' + gpus if gpus else ''}"
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """Parquet list columns arrive as numpy arrays; templates want lists."""
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
+
+
+def provenance(experiment: Experiment) -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10).stdout.strip()
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    return {
+        "servegrid_version": metadata.version("servegrid"),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "config_hash": hashlib.sha256(canonical_json(experiment.raw).encode()).hexdigest()[:12],
+        "generated_at": datetime.now(UTC),
+    }
+
+
+def _figure_uri(path: Path, ext: str) -> str:
+    mime = {"png": "image/png", "svg": "image/svg+xml"}[ext]
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+def environment(lang: str) -> tuple[jinja2.Environment, Formatter]:
+    translations, locale = load_catalog(lang)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        extensions=["jinja2.ext.i18n"],
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.install_gettext_translations(translations, newstyle=True)  # type: ignore[attr-defined]
+    fmt = Formatter(locale)
+    env.filters.update(
+        num=fmt.num, integer=fmt.integer, ratio=fmt.ratio, seconds=fmt.seconds, ms=fmt.ms, percent=fmt.percent,
+        date=fmt.date,
+    )
+    return env, fmt
+
+
+def render_html(
+    experiment: Experiment, lang: str, data: ReportData, figures_dir: Path, medium: str, prov: dict[str, Any]
+) -> str:
+    env, fmt = environment(lang)
+    ext = "png" if medium == "screen" else "svg"
+    assert ext in FORMATS
+    figures = {
+        spec.name: _figure_uri(figures_dir / f"{spec.name}.{ext}", ext)
+        for spec in figure_specs(experiment)
+        if (figures_dir / f"{spec.name}.{ext}").exists()
+    }
+    font_dir = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+    return env.get_template("report.html.j2").render(
+        lang=lang,
+        html_lang=str(fmt.locale).replace("_", "-"),
+        medium=medium,
+        font_dir=font_dir.as_uri() if medium == "print" else None,
+        css=(TEMPLATES / "style.css").read_text(encoding="utf-8"),
+        experiment=experiment.raw,
+        modes=experiment.modes(),
+        data=data,
+        figures=figures,
+        prov=prov,
+    )
+
+
+def render(
+    experiment: Experiment,
+    lang: str,
+    summary_path: str,
+    comparisons_path: str,
+    servers_path: str,
+    figures_dir: Path,
+    html_out: str,
+    pdf_out: str,
+) -> None:
+    from weasyprint import HTML  # imported late: it is slow to import and only this step needs it
+
+    data = ReportData(
+        experiment, pd.read_parquet(summary_path), pd.read_parquet(comparisons_path), pd.read_parquet(servers_path)
+    )
+    prov = provenance(experiment)
+    atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))
+    printable = render_html(experiment, lang, data, figures_dir, "print", prov)
+    with atomic.atomic_path(pdf_out) as tmp:
+        HTML(string=printable, base_url=str(REPORT_ROOT)).write_pdf(tmp)

@@ -1,0 +1,123 @@
+"""The process that owns one inference server.
+
+Started by :mod:`servegrid.server` in a session of its own, it launches the
+server in another new session (so the server's whole tree shares one process
+group), records pids, and tears that group down when asked (SIGTERM), when the
+owner (Snakemake, or whoever started it) disappears, or when the server exits
+by itself. It outlives the Snakemake job that started it, so that the next
+cell of the same configuration can reuse the server.
+
+Run as ``python -m servegrid.supervisor LAUNCH.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from servegrid import atomic, procs
+
+POLL_S = 0.2
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+class Supervisor:
+    def __init__(self, launch: dict[str, Any]) -> None:
+        self.launch = launch
+        self.record_path = Path(launch["record_path"])
+        self.owner = procs.ProcessRef.from_dict(launch.get("owner"))
+        self.grace_s = float(launch["shutdown_timeout_s"])
+        self.stop_reason: str | None = None
+        self.record: dict[str, Any] = {
+            "session": launch["session"],
+            "configuration": launch["configuration"],
+            "spec_hash": launch["spec_hash"],
+            "url": launch["url"],
+            "port": launch["port"],
+            "gpus": launch["gpus"],
+            "argv": launch["argv"],
+            "log_path": launch["log_path"],
+            "owner": launch.get("owner"),
+            "supervisor": procs.ProcessRef.of(os.getpid()).to_dict(),
+            "server": None,
+            "status": "launching",
+            "returncode": None,
+            "launched_at": now_iso(),
+            "ended_at": None,
+            "end_reason": None,
+        }
+
+    def _write(self, **changes: Any) -> None:
+        self.record.update(changes)
+        atomic.write_json(self.record_path, self.record)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stop_reason = f"stop requested ({signal.Signals(signum).name})"
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        env = {**os.environ, **self.launch["env"]}
+        log = open(self.launch["log_path"], "ab", buffering=0)  # noqa: SIM115 - lives as long as the server
+        try:
+            proc = subprocess.Popen(
+                self.launch["argv"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.launch["cwd"],
+            )
+        except OSError as exc:
+            log.write(f"servegrid: cannot execute {self.launch['argv'][0]!r}: {exc}\n".encode())
+            self._write(status="exited", returncode=127, ended_at=now_iso(), end_reason=f"exec failed: {exc}")
+            return 1
+        server = procs.ProcessRef.of(proc.pid)
+        self._write(server=server.to_dict(), pgid=proc.pid, status="running")
+
+        while True:
+            returncode = proc.poll()
+            if returncode is not None:
+                # The API server is gone; its engine processes may not be.
+                procs.terminate_group(proc.pid, grace_s=min(self.grace_s, 5.0))
+                self._write(status="exited", returncode=returncode, ended_at=now_iso(), end_reason="server exited")
+                return 0
+            if self.stop_reason is None and self.owner is not None and not self.owner.alive():
+                self.stop_reason = f"owner process {self.owner.pid} is gone"
+            if self.stop_reason is not None:
+                self._write(status="stopping", end_reason=self.stop_reason)
+                extra = procs.tree(proc.pid)
+                signals = procs.terminate_group(proc.pid, grace_s=self.grace_s, extra=extra)
+                proc.wait()
+                self._write(
+                    status="stopped",
+                    returncode=proc.returncode,
+                    ended_at=now_iso(),
+                    signals=signals,
+                )
+                return 0
+            time.sleep(POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m servegrid.supervisor LAUNCH.json", file=sys.stderr)
+        return 2
+    launch = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    return Supervisor(launch).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
