@@ -1,0 +1,232 @@
+"""``servegrid``: every pipeline step by hand, outside Snakemake.
+
+    servegrid validate                     check the config, list the grid
+    servegrid model build                  build the tiny model (model.tiny)
+    servegrid server argv NAME             the exact command + environment a server gets
+    servegrid server up NAME               start (or reuse) a server and keep it up
+    servegrid server status | down NAME | down --all
+    servegrid cell run CELL                measure one cell, e.g. prefix_cache/decode/ctx1024_c1
+    servegrid aggregate | figures | report run the downstream stages on the cell files
+
+Every command takes ``--config FILE`` (default: config.yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from servegrid import paths, procs, server
+from servegrid.config import Cell, ConfigError, Experiment
+
+CELL_RE = re.compile(r"^(?P<configuration>[^/]+)/(?P<mode>[^/]+)/ctx(?P<context>\d+)_c(?P<concurrency>\d+)$")
+
+
+def _runtime(experiment: Experiment, name: str) -> server.Runtime:
+    if name not in experiment.configurations:
+        raise ConfigError(f"{experiment.source}: no configuration named '{name}' (have: {', '.join(experiment.configurations)})")
+    return server.Runtime.from_config(experiment.operations, experiment.configurations[name]["gpus"])
+
+
+def _parse_cell(experiment: Experiment, text: str) -> Cell:
+    match = CELL_RE.match(text)
+    if not match:
+        raise ConfigError(f"'{text}' is not a cell id (CONFIGURATION/MODE/ctxCONTEXT_cCONCURRENCY)")
+    return experiment.cell(match["configuration"], match["mode"], int(match["context"]), int(match["concurrency"]))
+
+
+def cmd_validate(experiment: Experiment, args: argparse.Namespace) -> int:
+    cells = experiment.cells()
+    print(f"{experiment.source}: valid")
+    for name in experiment.configurations:
+        print(f"  {name}: {len(experiment.cells(name))} cells")
+    print(f"  modes: {', '.join(experiment.modes())}; {len(cells)} cells in all")
+    return 0
+
+
+def cmd_model_build(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import model
+
+    tiny = experiment.raw["model"]["tiny"]
+    if tiny is None:
+        raise ConfigError(f"{experiment.source}: model.tiny is not set; the model at model.path is yours")
+    out = Path(args.out or experiment.raw["model"]["path"])
+    hashes = model.build(out, model.TinyModelSpec(**tiny))
+    print(json.dumps({"path": str(out), "files": hashes}, indent=2))
+    return 0
+
+
+def cmd_server_argv(experiment: Experiment, args: argparse.Namespace) -> int:
+    runtime = _runtime(experiment, args.name)
+    spec = experiment.launch_spec(args.name)
+    port = args.port or runtime.port_range[0]
+    argv = server.server_argv(spec, runtime.host, port)
+    env = server.public_env(spec, server.server_env(spec, runtime.gpus))
+    if args.json:
+        print(json.dumps({"argv": argv, "env": env}, indent=2))
+    else:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
+    return 0
+
+
+def cmd_server_up(experiment: Experiment, args: argparse.Namespace) -> int:
+    runtime = _runtime(experiment, args.name)
+    owner = procs.ProcessRef.of(args.owner_pid) if args.owner_pid else None
+    facts = server.ensure(experiment.launch_spec(args.name), runtime, owner)
+    print(json.dumps(asdict(facts), indent=2))
+    return 0
+
+
+def cmd_server_down(experiment: Experiment, args: argparse.Namespace) -> int:
+    if args.all:
+        outcomes = server.stop_all(server.Runtime.from_config(experiment.operations, []), reason="servegrid server down --all")
+    elif args.name:
+        outcomes = server.stop(args.name, _runtime(experiment, args.name), reason="servegrid server down")
+    else:
+        raise ConfigError("name a configuration or pass --all")
+    print(json.dumps(outcomes, indent=2))
+    return 0
+
+
+def cmd_server_status(experiment: Experiment, args: argparse.Namespace) -> int:
+    rows = server.status(server.Runtime.from_config(experiment.operations, []))
+    for row in rows:
+        print(f"{row['configuration']:<20} {'up' if row['alive'] else 'down':<5} {row['status']:<9} {row['url']}  log: {row['log_path']}")
+    if not rows:
+        print("no servers recorded")
+    return 0
+
+
+def cmd_cell_run(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid.cell import run_cell
+
+    cell = _parse_cell(experiment, args.cell)
+    out = args.out or cell.path
+    runtime = _runtime(experiment, cell.configuration)
+    try:
+        meta = run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()))
+    finally:
+        if not args.keep_server:
+            server.stop(cell.configuration, runtime, reason="servegrid cell run finished")
+    print(f"wrote {out} ({meta['duration_s']:.1f} s measured)")
+    return 0
+
+
+def _grid_cells_present(experiment: Experiment) -> list[str]:
+    present = [c.path for c in experiment.cells() if Path(c.path).exists()]
+    if not present:
+        raise ConfigError("no cell files of this grid exist yet; run cells first")
+    return present
+
+
+def cmd_aggregate(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import aggregate
+
+    summary = aggregate.aggregate(
+        experiment,
+        _grid_cells_present(experiment),
+        requests_out=paths.REQUESTS_TABLE,
+        summary_out=paths.SUMMARY_TABLE,
+        servers_out=paths.SERVERS_TABLE,
+        comparisons_out=paths.COMPARISONS_TABLE,
+    )
+    print(f"{len(summary)} cells → {paths.SUMMARY_TABLE}")
+    return 0
+
+
+def cmd_figures(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import figures
+
+    for path in figures.draw_all(experiment, paths.SUMMARY_TABLE, Path(paths.FIGURES_DIR)):
+        print(path)
+    return 0
+
+
+def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import report
+
+    for lang in args.lang or experiment.languages:
+        html = paths.REPORT_PATTERN.format(lang=lang, ext="html")
+        pdf = paths.REPORT_PATTERN.format(lang=lang, ext="pdf")
+        report.render(
+            experiment,
+            lang,
+            summary_path=paths.SUMMARY_TABLE,
+            comparisons_path=paths.COMPARISONS_TABLE,
+            servers_path=paths.SERVERS_TABLE,
+            figures_dir=Path(paths.FIGURES_DIR),
+            html_out=html,
+            pdf_out=pdf,
+        )
+        print(html)
+        print(pdf)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servegrid", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="config.yaml", help="experiment config (default: config.yaml)")
+    parser.add_argument("--log-level", default=None, help="override operations.log_level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("validate", help="validate the config and list the grid").set_defaults(func=cmd_validate)
+
+    model_p = sub.add_parser("model", help="the tiny CPU model").add_subparsers(dest="action", required=True)
+    build_p = model_p.add_parser("build", help="build the tiny model folder")
+    build_p.add_argument("--out", help="folder (default: model.path)")
+    build_p.set_defaults(func=cmd_model_build)
+
+    srv = sub.add_parser("server", help="bring servers up and down").add_subparsers(dest="action", required=True)
+    argv_p = srv.add_parser("argv", help="print the exact command and environment of a configuration's server")
+    argv_p.add_argument("name")
+    argv_p.add_argument("--port", type=int)
+    argv_p.add_argument("--json", action="store_true")
+    argv_p.set_defaults(func=cmd_server_argv)
+    up_p = srv.add_parser("up", help="start (or reuse) a configuration's server; it stays up until 'down'")
+    up_p.add_argument("name")
+    up_p.add_argument("--owner-pid", type=int, help="stop the server when this process exits")
+    up_p.set_defaults(func=cmd_server_up)
+    down_p = srv.add_parser("down", help="stop a configuration's server, or all")
+    down_p.add_argument("name", nargs="?")
+    down_p.add_argument("--all", action="store_true")
+    down_p.set_defaults(func=cmd_server_down)
+    srv.add_parser("status", help="list recorded servers").set_defaults(func=cmd_server_status)
+
+    cell_p = sub.add_parser("cell", help="measure cells").add_subparsers(dest="action", required=True)
+    run_p = cell_p.add_parser("run", help="measure one cell")
+    run_p.add_argument("cell", help="CONFIGURATION/MODE/ctxCONTEXT_cCONCURRENCY")
+    run_p.add_argument("--out", help=f"output file (default: {paths.CELL_PATTERN})")
+    run_p.add_argument("--keep-server", action="store_true", help="leave the server up for the next cell")
+    run_p.set_defaults(func=cmd_cell_run)
+
+    sub.add_parser("aggregate", help="cell files → Parquet tables").set_defaults(func=cmd_aggregate)
+    sub.add_parser("figures", help="summary → figures").set_defaults(func=cmd_figures)
+    rep_p = sub.add_parser("report", help="tables + figures → HTML and PDF reports")
+    rep_p.add_argument("--lang", action="append", help="language (repeatable; default: report.languages)")
+    rep_p.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        experiment = Experiment.from_file(args.config)
+        logging.basicConfig(
+            level=args.log_level or experiment.operations["log_level"],
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        return int(args.func(experiment, args))
+    except (ConfigError, server.ServerError, FileNotFoundError) as exc:
+        print(f"servegrid: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
