@@ -1,14 +1,13 @@
 """servegrid: measure LLM-serving configurations cell by cell, then report a verdict.
 
-    config ─► server_spec ─► cell (one per grid point) ─► server_stop
-                                      │
-                                      ▼
-                 aggregate (Parquet) ─► figures ─► report_document (pt, hu × HTML, PDF)
+    config.yaml ─► tiny_model? ─► server_spec ─► cell × grid ─► server_stop
+                                                   │                │
+                                                   ▼                ▼
+                      aggregate (Parquet) ─► figures ─► report_document (pt, hu × HTML, PDF)
 
 `snakemake --cores 1 report` runs what is stale; `snakemake -n report` shows
 what would run and why.
 """
-
 
 from snakemake.utils import min_version
 
@@ -34,11 +33,8 @@ include: "workflow/rules/report.smk"
 rule report:
     default_target: True
     input:
-        expand(
-            paths.REPORT_DIR + "/servegrid-{lang}.{ext}",
-            lang=LANGUAGES,
-            ext=["html", "pdf"],
-        ),
+        expand(paths.REPORT_HTML_PATTERN, lang=LANGUAGES),
+        expand(paths.REPORT_PDF_PATTERN, lang=LANGUAGES),
 
 
 onsuccess:

@@ -12,5 +12,7 @@ rule aggregate:
         comparisons=paths.COMPARISONS_TABLE,
     log:
         "results/logs/aggregate.log",
+    conda:
+        "../../envs/pipeline.yaml"
     script:
         "../scripts/aggregate.py"

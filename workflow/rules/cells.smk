@@ -6,10 +6,12 @@ rule cell:
         spec=paths.SERVER_SPEC_PATTERN,
     output:
         ensure(paths.CELL_PATTERN, non_empty=True),
-    params:
-        settings=cell_settings,
-    priority: cell_priority
     log:
         "results/logs/cells/{configuration}/{mode}/ctx{context}_c{concurrency}.log",
+    priority: cell_priority
+    conda:
+        "../../envs/pipeline.yaml"
+    params:
+        settings=cell_settings,
     script:
         "../scripts/run_cell.py"

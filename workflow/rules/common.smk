@@ -11,15 +11,17 @@ from servegrid.config import Experiment, canonical_json
 from servegrid.figures import figure_paths
 from servegrid.procs import ProcessRef
 
-
 validate(config, "../schemas/config.schema.yaml")
 EXPERIMENT = Experiment(
     config,
-    source=", ".join(str(p) for p in workflow.config_settings.configfiles) or "config.yaml",
+    source=", ".join(str(p) for p in workflow.config_settings.configfiles)
+    or "config.yaml",
 )
 CONFIGURATIONS = list(EXPERIMENT.configurations)
 LANGUAGES = EXPERIMENT.languages
-REPORT_TEMPLATES = sorted(str(p) for p in Path("report/templates").glob("*") if p.is_file())
+REPORT_TEMPLATES = sorted(
+    str(p) for p in Path("report/templates").glob("*") if p.is_file()
+)
 
 # Servers that this run's cells start belong to this Snakemake process: their
 # supervisors take them down if it disappears, even by SIGKILL.
@@ -83,6 +85,8 @@ def model_inputs(wildcards):
 def stop_all_servers(reason):
     """Last line of teardown: every server this Snakemake process started."""
     runtime = servers.Runtime.from_config(EXPERIMENT.operations, gpus=[])
-    for outcome in servers.stop_all(runtime, owner=ProcessRef.of(os.getpid()), reason=reason):
+    for outcome in servers.stop_all(
+        runtime, owner=ProcessRef.of(os.getpid()), reason=reason
+    ):
         if outcome["was_running"]:
             print(f"servegrid: stopped server session {outcome['session']} ({reason})")

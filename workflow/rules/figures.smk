@@ -6,9 +6,11 @@ rule figures:
         summary=paths.SUMMARY_TABLE,
     output:
         figure_paths(EXPERIMENT, paths.FIGURES_DIR),
-    params:
-        out_dir=paths.FIGURES_DIR,
     log:
         "results/logs/figures.log",
+    conda:
+        "../../envs/pipeline.yaml"
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     script:
         "../scripts/figures.py"

@@ -10,11 +10,13 @@ rule report_document:
         templates=REPORT_TEMPLATES,
         catalogue="report/locales/{lang}/LC_MESSAGES/messages.po",
     output:
-        html=paths.REPORT_DIR + "/servegrid-{lang}.html",
-        pdf=paths.REPORT_DIR + "/servegrid-{lang}.pdf",
-    params:
-        figures_dir=paths.FIGURES_DIR,
+        html=paths.REPORT_HTML_PATTERN,
+        pdf=paths.REPORT_PDF_PATTERN,
     log:
         "results/logs/report/{lang}.log",
+    conda:
+        "../../envs/pipeline.yaml"
+    params:
+        figures_dir=lambda wildcards, input: os.path.dirname(input.figures[0]),
     script:
         "../scripts/render_report.py"

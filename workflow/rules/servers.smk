@@ -10,10 +10,12 @@ rule server_spec:
         model_inputs,
     output:
         paths.SERVER_SPEC_PATTERN,
-    params:
-        spec=launch_spec,
     log:
         "results/logs/servers/{configuration}/spec.log",
+    conda:
+        "../../envs/pipeline.yaml"
+    params:
+        spec=launch_spec,
     script:
         "../scripts/write_spec.py"
 
@@ -23,8 +25,10 @@ rule server_stop:
         cells_of_configuration,
     output:
         paths.SERVER_STOP_PATTERN,
-    priority: stop_priority
     log:
         "results/logs/servers/{configuration}/stop.log",
+    priority: stop_priority
+    conda:
+        "../../envs/pipeline.yaml"
     script:
         "../scripts/stop_server.py"

@@ -1,5 +1,12 @@
 """Snakemake script job: see servegrid.jobs.build_model."""
 
+import sys
+from pathlib import Path
+
+# servegrid lives in workflow/, beside this folder; importable without installing
+# (as under --sdm conda) and, when installed, the same code.
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))  # noqa: F821 - injected by Snakemake
+
 from servegrid import jobs
 
-jobs.build_model(snakemake)  # noqa: F821 - injected by Snakemake
+jobs.build_model(snakemake)  # noqa: F821

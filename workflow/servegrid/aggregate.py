@@ -102,7 +102,9 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         "n_requests": len(measured),
         "n_valid": len(valid),
         "n_errors": int(measured["error"].notna().sum()),
-        "n_token_mismatch": int((measured["error"].isna() & ~(measured["prompt_tokens_ok"] & measured["output_tokens_ok"])).sum()),
+        "n_token_mismatch": int(
+            (measured["error"].isna() & ~(measured["prompt_tokens_ok"] & measured["output_tokens_ok"])).sum()
+        ),
         "duration_s": meta.get("duration_s"),
         "primary_metric": primary.column if primary.turn is None else f"{primary.column}@turn{primary.turn}",
         "primary_higher_is_better": primary.higher_is_better,
@@ -221,7 +223,12 @@ def aggregate(
     derived = derive(df) if len(df) else df
     summary = summarize(derived, metas, experiment)
     comparisons = verdict.compare(summary, derived)
-    outputs = ((derived, requests_out), (summary, summary_out), (servers(metas), servers_out), (comparisons, comparisons_out))
+    outputs = (
+        (derived, requests_out),
+        (summary, summary_out),
+        (servers(metas), servers_out),
+        (comparisons, comparisons_out),
+    )
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
             frame.to_parquet(tmp, index=False)

@@ -31,7 +31,9 @@ CELL_RE = re.compile(r"^(?P<configuration>[^/]+)/(?P<mode>[^/]+)/ctx(?P<context>
 
 def _runtime(experiment: Experiment, name: str) -> server.Runtime:
     if name not in experiment.configurations:
-        raise ConfigError(f"{experiment.source}: no configuration named '{name}' (have: {', '.join(experiment.configurations)})")
+        raise ConfigError(
+            f"{experiment.source}: no configuration named '{name}' (have: {', '.join(experiment.configurations)})"
+        )
     return server.Runtime.from_config(experiment.operations, experiment.configurations[name]["gpus"])
 
 
@@ -58,7 +60,7 @@ def cmd_model_build(experiment: Experiment, args: argparse.Namespace) -> int:
     if tiny is None:
         raise ConfigError(f"{experiment.source}: model.tiny is not set; the model at model.path is yours")
     out = Path(args.out or experiment.raw["model"]["path"])
-    hashes = model.build(out, model.TinyModelSpec(**tiny))
+    hashes = model.build(out, model.TinyModelSpec(**experiment.tiny_model_spec()))
     print(json.dumps({"path": str(out), "files": hashes}, indent=2))
     return 0
 
@@ -86,7 +88,9 @@ def cmd_server_up(experiment: Experiment, args: argparse.Namespace) -> int:
 
 def cmd_server_down(experiment: Experiment, args: argparse.Namespace) -> int:
     if args.all:
-        outcomes = server.stop_all(server.Runtime.from_config(experiment.operations, []), reason="servegrid server down --all")
+        outcomes = server.stop_all(
+            server.Runtime.from_config(experiment.operations, []), reason="servegrid server down --all"
+        )
     elif args.name:
         outcomes = server.stop(args.name, _runtime(experiment, args.name), reason="servegrid server down")
     else:
@@ -98,7 +102,8 @@ def cmd_server_down(experiment: Experiment, args: argparse.Namespace) -> int:
 def cmd_server_status(experiment: Experiment, args: argparse.Namespace) -> int:
     rows = server.status(server.Runtime.from_config(experiment.operations, []))
     for row in rows:
-        print(f"{row['configuration']:<20} {'up' if row['alive'] else 'down':<5} {row['status']:<9} {row['url']}  log: {row['log_path']}")
+        state = "up" if row["alive"] else "down"
+        print(f"{row['configuration']:<20} {state:<5} {row['status']:<9} {row['url']}  log: {row['log_path']}")
     if not rows:
         print("no servers recorded")
     return 0
@@ -171,7 +176,9 @@ def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="servegrid", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="servegrid", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default="config.yaml", help="experiment config (default: config.yaml)")
     parser.add_argument("--log-level", default=None, help="override operations.log_level")
     sub = parser.add_subparsers(dest="command", required=True)

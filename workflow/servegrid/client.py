@@ -66,6 +66,8 @@ class RequestRecord:
     end_ns: int | None = None
     chunk_ns: list[int] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
+    # Calibration server only: when each chunk was written, on the same clock.
+    chunk_server_ns: list[int] = field(default_factory=list)
     prompt_tokens_reported: int | None = None
     output_tokens_reported: int | None = None
     http_status: int | None = None
@@ -128,6 +130,8 @@ class Streamer:
                         if new_tokens > 0:
                             record.chunk_ns.append(arrived)
                             record.chunk_tokens.append(new_tokens)
+                            if "servegrid_sent_ns" in event:
+                                record.chunk_server_ns.append(event["servegrid_sent_ns"])
                 record.end_ns = time.monotonic_ns()
         except httpx.HTTPError as exc:
             record.end_ns = time.monotonic_ns()

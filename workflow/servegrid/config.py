@@ -13,7 +13,7 @@ import copy
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,13 @@ class Experiment:
             raise ConfigError(f"{self.source}: cell {wanted.id} is not in the grid")
         return wanted
 
+    def tiny_model_spec(self) -> dict[str, Any] | None:
+        """model.tiny with every default spelled out, or None."""
+        from servegrid.model import TinyModelSpec
+
+        tiny = self.raw["model"]["tiny"]
+        return None if tiny is None else asdict(TinyModelSpec(**tiny))
+
     # ---- identities that decide reruns -------------------------------------
     def configuration_flags(self, name: str) -> list[str]:
         conf = self.configurations[name]
@@ -177,7 +184,7 @@ class Experiment:
             "command": list(engine["command"]),
             "model": model["path"],
             "served_name": model["served_name"],
-            "tiny_model": model["tiny"],
+            "tiny_model": self.tiny_model_spec(),
             "args": list(engine["args"]) + self.configuration_flags(name),
             "env": {**engine["env"], **conf["env"]},
             "api_key_env": engine["api_key_env"],

@@ -14,13 +14,13 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: no display on servers or CI
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
 
-from servegrid import atomic  # noqa: E402
-from servegrid.config import Experiment  # noqa: E402
+from servegrid import atomic
+from servegrid.config import Experiment
 
 FORMATS = ("png", "svg")
 

@@ -77,7 +77,7 @@ def build_model(smk: Any) -> None:
     from servegrid import model
 
     def body(experiment: Experiment) -> None:
-        spec = model.TinyModelSpec(**experiment.raw["model"]["tiny"])
+        spec = model.TinyModelSpec(**experiment.tiny_model_spec())
         model.build(Path(smk.output[0]), spec)
 
     _run(smk, body)

@@ -10,6 +10,7 @@ labels, keeping only the served model's series when the server labels them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -115,10 +116,8 @@ class GaugeSampler:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"samples": len(self.samples), "scrape_errors": self.errors}

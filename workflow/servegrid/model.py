@@ -13,11 +13,13 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from typing import TYPE_CHECKING
 
 from servegrid import text
 from servegrid.atomic import atomic_directory
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -47,6 +49,8 @@ class TinyModelSpec:
 
 
 def train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     # One rayon thread: BPE merge order must not depend on thread timing.
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     tokenizer = Tokenizer(models.BPE())

@@ -23,6 +23,8 @@ COMPARISONS_TABLE = f"{RESULTS}/tables/comparisons.parquet"
 FIGURES_DIR = f"{RESULTS}/figures"
 REPORT_DIR = f"{RESULTS}/report"
 REPORT_PATTERN = REPORT_DIR + "/servegrid-{lang}.{ext}"
+REPORT_HTML_PATTERN = REPORT_DIR + "/servegrid-{lang}.html"
+REPORT_PDF_PATTERN = REPORT_DIR + "/servegrid-{lang}.pdf"
 
 
 def cell(configuration: str, mode: str, context: int, concurrency: int) -> str:

@@ -6,6 +6,7 @@ is paired with the process's start time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -90,14 +91,10 @@ def wait_gone(refs: list[ProcessRef], timeout_s: float) -> bool:
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(psutil.Error):
         proc.send_signal(sig)
-    except psutil.Error:
-        pass

@@ -146,7 +146,9 @@ class ReportData:
                     (comps["mode"] == mode) & (comps["context"] == context) & (comps["concurrency"] == concurrency)
                 ]
                 comp = match.iloc[0].to_dict() if len(match) else None
-            rows.append({"context": int(context), "concurrency": int(concurrency), "cells": by_conf, "comparison": comp})
+            rows.append(
+                {"context": int(context), "concurrency": int(concurrency), "cells": by_conf, "comparison": comp}
+            )
         return rows
 
     def verdict_rows(self) -> list[dict[str, Any]]:
@@ -168,8 +170,9 @@ class ReportData:
         if self.servers.empty:
             return ""
         row = self.servers.iloc[0]
+        described = f"{row['host_cpu']} ({row['host_cpu_count']} CPU, {row['host_memory_gib']} GiB)"
         gpus = row.get("host_gpus") or ""
-        return f"{row['host_cpu']} ({row['host_cpu_count']} CPU, {row['host_memory_gib']} GiB){'; ' + gpus if gpus else ''}"
+        return f"{described}; {gpus}" if gpus else described
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +186,9 @@ def provenance(experiment: Experiment) -> dict[str, Any]:
             ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
         dirty = bool(
-            subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10).stdout.strip()
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         )
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, False
@@ -214,7 +219,12 @@ def environment(lang: str) -> tuple[jinja2.Environment, Formatter]:
     env.install_gettext_translations(translations, newstyle=True)  # type: ignore[attr-defined]
     fmt = Formatter(locale)
     env.filters.update(
-        num=fmt.num, integer=fmt.integer, ratio=fmt.ratio, seconds=fmt.seconds, ms=fmt.ms, percent=fmt.percent,
+        num=fmt.num,
+        integer=fmt.integer,
+        ratio=fmt.ratio,
+        seconds=fmt.seconds,
+        ms=fmt.ms,
+        percent=fmt.percent,
         date=fmt.date,
     )
     return env, fmt

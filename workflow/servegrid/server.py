@@ -233,9 +233,7 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
             raise
 
 
-def _raise_if_failed_before(
-    runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None
-) -> None:
+def _raise_if_failed_before(runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None) -> None:
     """Within one pipeline run, a spec that failed to start fails its other cells at once."""
     failure = _read(_failure_path(runtime, configuration))
     if failure and owner and failure["spec_hash"] == wanted and failure["owner"] == owner.to_dict():

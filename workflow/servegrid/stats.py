@@ -49,7 +49,9 @@ def ratio_of_medians_ci(
     if a.size < 3 or b.size < 3:
         return None, None
     rng = np.random.default_rng(seed)
-    ratios = np.median(rng.choice(a, (RESAMPLES, a.size)), axis=1) / np.median(rng.choice(b, (RESAMPLES, b.size)), axis=1)
+    ratios = np.median(rng.choice(a, (RESAMPLES, a.size)), axis=1) / np.median(
+        rng.choice(b, (RESAMPLES, b.size)), axis=1
+    )
     ratios = ratios[np.isfinite(ratios)]
     if ratios.size == 0:
         return None, None

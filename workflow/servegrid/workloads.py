@@ -187,7 +187,9 @@ def exact_chat_message(
     length = want
     for _ in range(8):
         content = detokenize(ctx.sync_client, ctx.url, ctx.model, ids[: max(1, length)])
-        total = chat_prompt_tokens(ctx.sync_client, ctx.url, ctx.model, [*history, {"role": "user", "content": content}])
+        total = chat_prompt_tokens(
+            ctx.sync_client, ctx.url, ctx.model, [*history, {"role": "user", "content": content}]
+        )
         if best is None or abs(total - target_total) < abs(best[1] - target_total):
             best = (content, total)
         if total == target_total:
@@ -215,7 +217,9 @@ async def multi_turn(ctx: WorkloadContext, measure: MeasureHook) -> None:
         [(first_message(f"s{s} c{c}"), follow_ups(f"s{s} c{c}")) for c in range(w["requests_per_session"])]
         for s in range(ctx.concurrency)
     ]
-    warmup_conversations = [(first_message(f"warmup {i}"), follow_ups(f"warmup {i}")) for i in range(w["warmup_requests"])]
+    warmup_conversations = [
+        (first_message(f"warmup {i}"), follow_ups(f"warmup {i}")) for i in range(w["warmup_requests"])
+    ]
 
     async def converse(session: int, seq: int, phase: str, opening: str, later: list[str], intended_ns: int) -> int:
         messages = [{"role": "user", "content": opening}]

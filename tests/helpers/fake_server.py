@@ -1,0 +1,82 @@
+"""A stand-in *process* for server-lifecycle tests: no model, no HTTP realism.
+
+It behaves like vLLM where the process manager cares: it forks a child in its
+own process group (as vLLM forks its engine core), serves /health, /version
+and a non-streaming /v1/completions for the warm-up, and logs a KV-cache line.
+Modes: ``--exit-at-start`` (bad argument), ``--never-healthy``,
+``--ignore-sigterm`` (needs SIGKILL). Measurements never use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Handler(BaseHTTPRequestHandler):
+    healthy = True
+
+    def log_message(self, fmt: str, *args: object) -> None:
+        print(fmt % args, flush=True)
+
+    def _json(self, obj: object, status: int = 200) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._json({}, 200 if Handler.healthy else 503)
+        elif self.path == "/version":
+            self._json({"version": "fake-0"})
+        elif self.path == "/v1/models":
+            self._json({"data": [{"id": "fake", "max_model_len": 4096}]})
+        else:
+            self._json({"error": "not found"}, 404)
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", 0))
+        self.rfile.read(length)
+        self._json({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--exit-at-start", action="store_true")
+    parser.add_argument("--never-healthy", action="store_true")
+    parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--startup-delay", type=float, default=0.2)
+    args, _ = parser.parse_known_args()
+    print(f"fake server pid {os.getpid()} args {sys.argv[1:]}", flush=True)
+    if args.exit_at_start:
+        print("error: argument --bogus: invalid choice (fake server exiting)", flush=True)
+        return 2
+    child = os.fork()
+    if child == 0:  # the "engine core": same process group, outlives a SIGKILLed parent
+        if args.ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    print(f"engine child pid {child}", flush=True)
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(args.startup_delay)
+    print("CPU KV cache size: 12,345 tokens, Maximum concurrency for 4,096 tokens per request: 3.01x", flush=True)
+    Handler.healthy = not args.never_healthy
+    ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

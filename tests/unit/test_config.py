@@ -1,0 +1,142 @@
+"""Config validation, the grid, and the slices that decide reruns."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import with_changes
+from servegrid.config import ConfigError, Experiment
+
+
+def test_both_shipped_configs_are_valid(seed_raw, demo_raw):
+    seed, demo = Experiment(seed_raw), Experiment(demo_raw)
+    assert list(seed.configurations) == ["prefix_cache", "mtp"]
+    assert seed.configurations["mtp"]["speculative"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert seed.configurations["prefix_cache"]["prefix_caching"] is True
+    assert seed.configurations["mtp"]["prefix_caching"] is False
+    assert "--kv-cache-dtype" in seed.raw["engine"]["args"] and "262144" in seed.raw["engine"]["args"]
+    assert seed.modes() == demo.modes() == ["decode", "single_turn", "multi_turn"]
+    assert demo.configurations["ngram"]["speculative"]["method"] == "ngram"
+    assert demo.raw["sampling"]["temperature"] == 0
+    # 6 decode + 2x5 single-turn + 5x5 multi-turn, per configuration
+    assert len(seed.cells()) == 2 * (6 + 10 + 25)
+
+
+def test_defaults_are_filled(demo_raw):
+    raw = with_changes(demo_raw)
+    del raw["operations"]
+    del raw["workloads"]["decode"]["output_tokens"]
+    experiment = Experiment(raw)
+    assert experiment.operations["host"] == "127.0.0.1"
+    assert experiment.mode_settings("decode")["output_tokens"] == 512
+    assert experiment.configurations["prefix_cache"]["gpus"] == []
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "named"),
+    [
+        ("workloads.decode.concurrency", [1, 0], "workloads.decode.concurrency[1]"),
+        ("workloads.decode.output_tokens", "many", "workloads.decode.output_tokens"),
+        ("operations.port_range", [8000], "operations.port_range"),
+        ("sampling.temperature", -1, "sampling.temperature"),
+        ("configurations.prefix_cache.prefix_caching", "yes", "configurations.prefix_cache.prefix_caching"),
+    ],
+)
+def test_invalid_values_name_the_key(demo_raw, dotted, value, named):
+    with pytest.raises(ConfigError) as error:
+        Experiment(with_changes(demo_raw, **{dotted: value}), source="demo.yaml")
+    assert f"demo.yaml: {named}:" in str(error.value)
+
+
+def test_unknown_keys_are_rejected_by_name(demo_raw):
+    raw = with_changes(demo_raw)
+    raw["workloads"]["decode"]["prompt_tokens"] = 1024
+    with pytest.raises(ConfigError, match=r"workloads\.decode: .*'prompt_tokens' was unexpected"):
+        Experiment(raw)
+
+
+def test_bad_configuration_name_is_rejected(demo_raw):
+    raw = with_changes(demo_raw)
+    raw["configurations"]["Bad Name"] = raw["configurations"]["ngram"]
+    with pytest.raises(ConfigError, match="configurations"):
+        Experiment(raw)
+
+
+@pytest.mark.parametrize("flag", ["--enable-prefix-caching", "--port", "--speculative-config={}", "--host"])
+def test_flags_servegrid_owns_are_refused(demo_raw, flag):
+    with pytest.raises(ConfigError, match=r"configurations\.ngram\.args: '--"):
+        Experiment(with_changes(demo_raw, **{"configurations.ngram.args": [flag]}))
+
+
+def test_semantic_checks_name_the_key(demo_raw):
+    with pytest.raises(ConfigError, match=r"engine\.command: needs a '\{model\}'"):
+        Experiment(with_changes(demo_raw, **{"engine.command": ["vllm", "serve"]}))
+    with pytest.raises(ConfigError, match=r"engine\.args: .*--load-format dummy"):
+        Experiment(with_changes(demo_raw, **{"engine.args": []}))
+    with pytest.raises(ConfigError, match=r"configurations\.ngram\.env: set GPUs with 'gpus'"):
+        Experiment(with_changes(demo_raw, **{"configurations.ngram.env": {"CUDA_VISIBLE_DEVICES": "0"}}))
+    with pytest.raises(ConfigError, match="no workload mode is enabled"):
+        raw = with_changes(demo_raw)
+        for mode in raw["workloads"].values():
+            mode["enabled"] = False
+        Experiment(raw)
+
+
+def test_launch_flags_come_from_the_configuration(seed_raw):
+    seed = Experiment(seed_raw)
+    assert seed.configuration_flags("prefix_cache") == ["--enable-prefix-caching"]
+    assert seed.configuration_flags("mtp") == [
+        "--no-enable-prefix-caching",
+        "--speculative-config",
+        '{"method":"mtp","num_speculative_tokens":3}',
+    ]
+
+
+def test_cell_settings_are_the_cells_own_slice(demo_raw):
+    base = Experiment(demo_raw)
+    cell = base.cells("ngram")[0]
+    assert cell.mode == "decode"
+    settings = base.cell_settings(cell)
+    # Other modes, other grid values, operations, GPU placement: not part of it.
+    unrelated = [
+        {"workloads.single_turn.suffix_tokens": 99},
+        {"workloads.decode.concurrency": [1, 4, 8]},
+        {"operations.request_timeout_s": 5},
+        {"operations.port_range": [9000, 9100]},
+        {"configurations.ngram.gpus": [3]},
+        {"report.languages": ["hu"]},
+    ]
+    for change in unrelated:
+        other = Experiment(with_changes(demo_raw, **change))
+        assert other.cell_settings(cell) == settings, change
+        assert other.launch_spec("ngram") == base.launch_spec("ngram"), change
+    # Its own mode's settings, sampling and content are.
+    for change in [{"workloads.decode.output_tokens": 64}, {"sampling.temperature": 0.5}, {"content.seed": 7}]:
+        assert Experiment(with_changes(demo_raw, **change)).cell_settings(cell) != settings, change
+
+
+def test_launch_spec_changes_only_for_its_configuration(demo_raw):
+    base = Experiment(demo_raw)
+    changed = Experiment(with_changes(demo_raw, **{"configurations.ngram.args": ["--max-num-seqs", "8"]}))
+    assert changed.launch_spec("ngram") != base.launch_spec("ngram")
+    assert changed.launch_spec("prefix_cache") == base.launch_spec("prefix_cache")
+
+
+def test_tiny_model_spec_spells_out_defaults(demo_raw):
+    explicit = with_changes(demo_raw, **{"model.tiny": {"vocab_size": 2048}})
+    assert Experiment(demo_raw).launch_spec("ngram") == Experiment(explicit).launch_spec("ngram")
+
+
+def test_cells_outside_the_grid_are_refused(demo_raw):
+    experiment = Experiment(demo_raw)
+    with pytest.raises(ConfigError, match="not in the grid"):
+        experiment.cell("ngram", "decode", 512, 3)
+
+
+def test_from_file_reports_unreadable_and_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        Experiment.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        Experiment.from_file(bad)

@@ -1,0 +1,40 @@
+"""The tiny model folder is reproducible and loadable without any download."""
+
+from __future__ import annotations
+
+import json
+
+from tokenizers import Tokenizer
+
+from servegrid import model
+
+
+def test_build_is_byte_identical_and_complete(tmp_path):
+    spec = model.TinyModelSpec(corpus_sentences=2000)
+    first = model.build(tmp_path / "a", spec)
+    second = model.build(tmp_path / "b", spec)
+    assert first == second
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "a" / name).is_file()
+    # No leftovers of the atomic write.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_config_and_tokenizer_agree(tmp_path):
+    model.build(tmp_path / "m", model.TinyModelSpec(corpus_sentences=2000))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["vocab_size"] == tokenizer.get_vocab_size()
+    assert config["eos_token_id"] == tokenizer.token_to_id("<|im_end|>")
+    ids = tokenizer.encode("The cache server answers the question.").ids
+    assert tokenizer.decode(ids) == "The cache server answers the question."
+    assert len(ids) < 12  # whole-word merges were learned
+
+
+def test_rebuild_replaces_the_folder(tmp_path):
+    target = tmp_path / "m"
+    model.build(target, model.TinyModelSpec(corpus_sentences=2000))
+    (target / "stale.txt").write_text("old")
+    model.build(target, model.TinyModelSpec(corpus_sentences=2000))
+    assert not (target / "stale.txt").exists()

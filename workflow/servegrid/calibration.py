@@ -1,0 +1,272 @@
+"""A loopback calibration server: OpenAI-compatible streaming with scripted timing, no model.
+
+It answers the endpoints servegrid uses (``/v1/completions``,
+``/v1/chat/completions``, ``/tokenize``, ``/detokenize``, ``/metrics``,
+``/health``, ``/version``) with a whitespace "tokenizer" and a script:
+time to first token, interval per chunk, tokens per chunk, jitter. Every SSE
+event carries the monotonic time it was written (``servegrid_sent_ns``) and
+how late that was against the script (``servegrid_late_ns``), so a client's
+own latency can be measured event by event, and an overloaded calibration
+server is visible too.
+
+It is a test and calibration tool: it never stands in for vLLM in the
+pipeline, the demo or the benchmarks of serving configurations.
+
+    python -m servegrid.calibration --port 8900 --ttft 0.05 --interval 0.01
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from servegrid import text
+
+
+@dataclass
+class Script:
+    """How the server streams. Times in seconds."""
+
+    ttft_s: float = 0.02
+    interval_s: float = 0.005
+    tokens_per_chunk: int = 1
+    jitter_s: float = 0.0
+    seed: int = 0
+    # Deliberate faults, to provoke the client's validity checks.
+    prompt_tokens_offset: int = 0
+    completion_tokens_offset: int = 0
+    legacy_metric_names: bool = False
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    running: int = 0
+    max_late_ns: int = 0
+    seen_prefixes: set[tuple[int, ...]] = field(default_factory=set)
+
+
+class Vocabulary:
+    """Whitespace tokens ↔ ids: deterministic, good enough to count and round-trip."""
+
+    def __init__(self) -> None:
+        self.words = ["<|endoftext|>", *sorted(set(text.WORDS))]
+        self.ids = {w: i for i, w in enumerate(self.words)}
+
+    def encode(self, content: str) -> list[int]:
+        return [
+            self.ids.get(w.strip(".?!,").lower(), 1 + zlib.crc32(w.encode()) % (len(self.words) - 1))
+            for w in content.split()
+        ]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i % len(self.words)] for i in ids)
+
+
+CHAT_OVERHEAD_PER_MESSAGE = 3
+CHAT_GENERATION_PROMPT = 2
+BLOCK = 16
+
+
+class CalibrationServer:
+    def __init__(self, script: Script, model: str = "calibration") -> None:
+        self.script = script
+        self.model = model
+        self.vocab = Vocabulary()
+        self.counters = Counters()
+        self.rng = random.Random(script.seed)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/version", self.version),
+                web.get("/v1/models", self.models),
+                web.get("/metrics", self.metrics),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+            ]
+        )
+        return app
+
+    # ---- plain endpoints --------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": "calibration"})
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": self.model, "max_model_len": 1_000_000}]})
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        ids: list[int] = []
+        for message in messages:
+            ids += [0] * CHAT_OVERHEAD_PER_MESSAGE + self.vocab.encode(message.get("content") or "")
+        return ids + [0] * CHAT_GENERATION_PROMPT
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        ids = self._chat_ids(body["messages"]) if "messages" in body else self.vocab.encode(body["prompt"])
+        return web.json_response({"count": len(ids), "tokens": ids, "max_model_len": 1_000_000})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"prompt": self.vocab.decode(body["tokens"])})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        c = self.counters
+        prefix = "vllm:gpu_" if self.script.legacy_metric_names else "vllm:"
+        suffix = "" if self.script.legacy_metric_names else "_total"
+        usage_name = "vllm:gpu_cache_usage_perc" if self.script.legacy_metric_names else "vllm:kv_cache_usage_perc"
+        label = f'{{model_name="{self.model}"}}'
+        lines = [
+            f"# TYPE {prefix}prefix_cache_queries counter",
+            f"{prefix}prefix_cache_queries{suffix}{label} {c.prefix_queries}",
+            f"# TYPE {prefix}prefix_cache_hits counter",
+            f"{prefix}prefix_cache_hits{suffix}{label} {c.prefix_hits}",
+            "# TYPE vllm:prompt_tokens counter",
+            f"vllm:prompt_tokens{suffix}{label} {c.prompt_tokens}",
+            "# TYPE vllm:generation_tokens counter",
+            f"vllm:generation_tokens{suffix}{label} {c.generation_tokens}",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {c.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} 0",
+            f"# TYPE {usage_name} gauge",
+            f"{usage_name}{label} {min(1.0, c.running / 64)}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    # ---- streaming ---------------------------------------------------------------
+    def _count_prefix_hits(self, ids: list[int]) -> None:
+        """Block-wise prefix cache bookkeeping, so hit-rate figures have something to measure."""
+        blocks = len(ids) // BLOCK
+        hits = 0
+        for b in range(1, blocks + 1):
+            key = tuple(ids[: b * BLOCK])
+            if key in self.counters.seen_prefixes:
+                hits = b
+            self.counters.seen_prefixes.add(key)
+        self.counters.prefix_queries += len(ids)
+        self.counters.prefix_hits += hits * BLOCK
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body["prompt"]
+        ids = list(prompt) if isinstance(prompt, list) else self.vocab.encode(prompt)
+        return await self._stream(request, body, ids, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        return await self._stream(request, body, self._chat_ids(body["messages"]), chat=True)
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
+    ) -> web.StreamResponse:
+        s = self.script
+        n_out = int(body.get("max_tokens") or 16)
+        self.counters.requests += 1
+        self.counters.running += 1
+        self._count_prefix_hits(ids)
+        self.counters.prompt_tokens += len(ids)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        start = time.monotonic_ns()
+        due = start + int(s.ttft_s * 1e9)
+        produced = 0
+        prompt_tokens = len(ids) + s.prompt_tokens_offset
+        try:
+            while produced < n_out:
+                take = min(s.tokens_per_chunk, n_out - produced)
+                await _sleep_until(due)
+                produced += take
+                sent = time.monotonic_ns()
+                late = max(0, sent - due)
+                self.counters.max_late_ns = max(self.counters.max_late_ns, late)
+                words = " " + " ".join(self.rng.choice(text.WORDS) for _ in range(take))
+                choice = {"index": 0, "finish_reason": "length" if produced == n_out else None}
+                choice.update({"delta": {"content": words}} if chat else {"text": words})
+                event = {
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "model": self.model,
+                    "choices": [choice],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": produced + (s.completion_tokens_offset if produced == n_out else 0),
+                    },
+                    "servegrid_sent_ns": sent,
+                    "servegrid_late_ns": late,
+                }
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                jitter = self.rng.uniform(-s.jitter_s, s.jitter_s) if s.jitter_s else 0.0
+                due += int(max(0.0, s.interval_s + jitter) * 1e9)
+            await response.write(b"data: [DONE]\n\n")
+            self.counters.generation_tokens += n_out
+        finally:
+            self.counters.running -= 1
+        await response.write_eof()
+        return response
+
+
+async def _sleep_until(deadline_ns: int) -> None:
+    delay = (deadline_ns - time.monotonic_ns()) / 1e9
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+class RunningServer:
+    """A calibration server on a background event loop thread (for tests and benchmarks)."""
+
+    def __init__(self, script: Script, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.server = CalibrationServer(script)
+        self.host, self.port = host, port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.server.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        sockets = site._server.sockets if site._server else []
+        self.port = sockets[0].getsockname()[1]
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="servegrid calibration server (loopback only by default)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8900)
+    parser.add_argument("--ttft", type=float, default=0.02, help="seconds to the first chunk")
+    parser.add_argument("--interval", type=float, default=0.005, help="seconds between chunks")
+    parser.add_argument("--tokens-per-chunk", type=int, default=1)
+    parser.add_argument("--jitter", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    script = Script(
+        ttft_s=args.ttft, interval_s=args.interval, tokens_per_chunk=args.tokens_per_chunk, jitter_s=args.jitter
+    )
+    web.run_app(CalibrationServer(script).app(), host=args.host, port=args.port, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
