@@ -47,3 +47,104 @@ def with_changes(raw: dict[str, Any], **changes: Any) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[last] = value
     return out
+
+
+def synthetic_cell(
+    path: Path,
+    configuration: str,
+    mode: str,
+    context: int,
+    concurrency: int,
+    *,
+    ttft_s: float,
+    interval_s: float,
+    output_tokens: int = 32,
+    tokens_per_chunk: int = 1,
+    requests: int = 6,
+    mismatched: int = 0,
+    errors: int = 0,
+    turns: int = 1,
+    spread: float = 0.05,
+    label: str | None = None,
+) -> None:
+    """Write a cell file with known timings, as servegrid.cell would (for aggregation/report tests)."""
+    import random as _random
+
+    from servegrid import records
+    from servegrid.client import RequestRecord
+
+    rng = _random.Random(f"{configuration}{mode}{context}{concurrency}")
+    recs = []
+    t = 1_000_000_000
+    for i in range(requests):
+        for turn in range(1, turns + 1):
+            r = RequestRecord(
+                f"m{i}t{turn}",
+                i % concurrency,
+                i,
+                "measured",
+                turn,
+                prompt_tokens_requested=context,
+                output_tokens_requested=output_tokens,
+            )
+            r.intended_send_ns = t
+            r.sent_ns = t + 100_000
+            first = r.sent_ns + int(ttft_s * (1 + rng.uniform(-spread, spread)) * 1e9)
+            # As vLLM streams: the first token alone (from prefill), then chunks of
+            # tokens_per_chunk, each arriving one interval per token after the last.
+            r.chunk_tokens = [1]
+            left = output_tokens - 1
+            while left > 0:
+                r.chunk_tokens.append(min(tokens_per_chunk, left))
+                left -= r.chunk_tokens[-1]
+            r.chunk_ns = [first]
+            for tokens in r.chunk_tokens[1:]:
+                r.chunk_ns.append(r.chunk_ns[-1] + int(interval_s * tokens * 1e9))
+            r.end_ns = r.chunk_ns[-1] + 1000
+            r.prompt_tokens_reported = context + (1 if i < mismatched else 0)
+            r.output_tokens_reported = output_tokens
+            r.http_status = 200
+            r.error = "HTTP 500: boom" if i >= requests - errors else None
+            recs.append(r)
+            t = r.end_ns
+    meta = {
+        "cell": {
+            "configuration": configuration,
+            "mode": mode,
+            "context": context,
+            "concurrency": concurrency,
+            "id": f"{configuration}/{mode}/ctx{context}_c{concurrency}",
+        },
+        "settings": {"mode": mode, "context": context, "concurrency": concurrency},
+        "spec_hash": f"hash-{configuration}",
+        "server": {
+            "configuration": configuration,
+            "session": f"session-{configuration}",
+            "spec_hash": f"hash-{configuration}",
+            "url": "http://127.0.0.1:1",
+            "argv": ["vllm", "serve", "m"],
+            "env": {"A": "1"},
+            "gpus": [],
+            "log_path": "x.log",
+            "engine_version": "0.32.0",
+            "kv_cache_tokens": 262144,
+            "max_concurrency": 32.0,
+            "max_model_len": 8192,
+            "startup_s": 61.5,
+            "warmup_s": 0.5,
+            "started_at": "2026-11-29T10:00:00+0000",
+            "host": {"cpu": "Test CPU", "cpu_count": 2, "memory_gib": 23.5, "os": "Linux", "gpus": []},
+        },
+        "started_at": "2026-11-29T10:00:00+00:00",
+        "duration_s": (t - 1_000_000_000) / 1e9,
+        "server_metrics": {
+            "delta": {"num_preemptions": 0.0},
+            "derived": {
+                "prefix_cache_hit_rate": 0.9,
+                "spec_acceptance_rate": None,
+                "spec_mean_acceptance_length": None,
+            },
+            "gauges": {"samples": 3, "scrape_errors": 0, "kv_cache_usage_perc_max": 0.1},
+        },
+    }
+    records.write_cell(path, recs, 1_000_000_000, meta)

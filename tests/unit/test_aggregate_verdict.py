@@ -1,0 +1,149 @@
+"""Aggregation formulas, validity flags and the per-group verdict, on cells with known timings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from helpers import synthetic_cell, with_changes
+from servegrid import aggregate, verdict
+from servegrid.config import Experiment
+
+
+@pytest.fixture
+def demo_grid(tmp_path, monkeypatch, demo_raw):
+    """The demo grid with synthetic cells: ngram decodes faster, caching prefills faster."""
+    monkeypatch.chdir(tmp_path)
+    experiment = Experiment(demo_raw)
+    timings = {
+        ("prefix_cache", "decode"): {"ttft_s": 0.1, "interval_s": 0.005},
+        ("ngram", "decode"): {"ttft_s": 0.1, "interval_s": 0.002, "tokens_per_chunk": 4},
+        ("prefix_cache", "single_turn"): {"ttft_s": 0.05, "interval_s": 0.005},
+        ("ngram", "single_turn"): {"ttft_s": 0.5, "interval_s": 0.002},
+        ("prefix_cache", "multi_turn"): {"ttft_s": 0.1, "interval_s": 0.005, "turns": 3},
+        ("ngram", "multi_turn"): {"ttft_s": 0.3, "interval_s": 0.002, "turns": 3},
+    }
+    for cell in experiment.cells():
+        synthetic_cell(
+            tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
+            **timings[(cell.configuration, cell.mode)],
+        )  # fmt: skip
+    return experiment, [c.path for c in experiment.cells()]
+
+
+def run_aggregate(experiment, cells, tmp_path):
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("requests", "summary", "servers", "comparisons")}
+    aggregate.aggregate(
+        experiment, cells, out["requests"], out["summary"], out["servers"], comparisons_out=out["comparisons"]
+    )
+    return {k: pd.read_parquet(v) for k, v in out.items()}
+
+
+def test_per_request_formulas():
+    frame = pd.DataFrame(
+        {
+            "sent_s": [0.0],
+            "intended_send_s": [-0.01],
+            "end_s": [1.1],
+            "chunk_times_s": [[0.1, 0.4, 0.7, 1.0]],
+            "chunk_tokens": [[1, 3, 3, 3]],
+            "prompt_tokens_requested": [10],
+            "prompt_tokens_reported": [10],
+            "output_tokens_requested": [10],
+            "output_tokens_reported": [10],
+            "error": [None],
+        }
+    )
+    row = aggregate.derive(frame).iloc[0]
+    assert row["ttft_s"] == pytest.approx(0.1)
+    assert row["e2e_s"] == pytest.approx(1.1)
+    assert row["tpot_s"] == pytest.approx(1.0 / 9)
+    assert row["decode_tps"] == pytest.approx(9 / 1.0)
+    assert row["send_delay_s"] == pytest.approx(0.01)
+    assert bool(row["valid"])
+    itl = aggregate.per_token_itl(np.array([0.1, 0.4, 0.7, 1.0]), np.array([1, 3, 3, 3]))
+    assert itl.tolist() == pytest.approx([0.1] * 9)
+
+
+def test_summary_of_the_demo_grid(demo_grid, tmp_path):
+    experiment, cells = demo_grid
+    tables = run_aggregate(experiment, cells, tmp_path)
+    summary = tables["summary"].set_index("cell_id")
+    assert len(summary) == len(cells)
+    decode = summary.loc["ngram/decode/ctx512_c1"]
+    assert decode["primary_metric"] == "decode_tps"
+    assert decode["primary_p50"] == pytest.approx(500, rel=0.01)  # 1 / 2 ms per token
+    assert decode["itl_token_s_p50"] == pytest.approx(0.002, rel=0.01)
+    assert decode["chunk_gap_s_p50"] == pytest.approx(0.008, rel=0.01)
+    assert decode["tokens_per_chunk_mean"] == pytest.approx(32 / 9)  # 1 + 7 x 4 + 3 tokens in 9 chunks
+    assert decode["primary_ci_low"] <= decode["primary_p50"] <= decode["primary_ci_high"]
+    assert summary.loc["prefix_cache/decode/ctx512_c1", "primary_p50"] == pytest.approx(200, rel=0.01)
+    multi = summary.loc["prefix_cache/multi_turn/ctx1024_c4"]
+    assert multi["primary_metric"] == "ttft_s@turn2"
+    assert multi["primary_n"] == 6  # one turn-2 request per conversation
+    assert summary["valid"].all()
+    assert list(summary["configuration"].unique()) == ["prefix_cache", "ngram"]  # config order
+    servers = tables["servers"]
+    assert set(servers["configuration"]) == {"prefix_cache", "ngram"}
+    assert servers["cells"].sum() == len(cells)
+
+
+def test_comparisons_name_winner_factor_and_interval(demo_grid, tmp_path):
+    experiment, cells = demo_grid
+    comparisons = run_aggregate(experiment, cells, tmp_path)["comparisons"]
+    assert len(comparisons) == 6  # 3 modes x 1 context x 2 concurrencies
+    by = comparisons.set_index(["mode", "concurrency"])
+    assert by.loc[("decode", 1), "winner"] == "ngram"
+    assert by.loc[("decode", 1), "factor"] == pytest.approx(2.5, rel=0.02)
+    assert by.loc[("single_turn", 4), "winner"] == "prefix_cache"
+    assert by.loc[("single_turn", 4), "factor"] == pytest.approx(10, rel=0.1)
+    assert by.loc[("multi_turn", 1), "winner"] == "prefix_cache"
+    assert not comparisons["tie"].any()
+    low, high = by.loc[("decode", 1), ["factor_ci_low", "factor_ci_high"]]
+    assert low <= by.loc[("decode", 1), "factor"] <= high
+
+
+def test_overlapping_results_are_a_tie(tmp_path, monkeypatch, demo_raw):
+    monkeypatch.chdir(tmp_path)
+    raw = with_changes(demo_raw, **{"workloads.decode.concurrency": [1]})
+    raw["workloads"]["single_turn"]["enabled"] = False
+    raw["workloads"]["multi_turn"]["enabled"] = False
+    experiment = Experiment(raw)
+    for cell, ttft in zip(experiment.cells(), (0.1, 0.1), strict=True):
+        synthetic_cell(
+            tmp_path / cell.path, cell.configuration, cell.mode, cell.context, 1,
+            ttft_s=ttft, interval_s=0.005 if cell.configuration == "ngram" else 0.00505, spread=0.5, requests=8,
+        )  # fmt: skip
+    comparisons = run_aggregate(experiment, [c.path for c in experiment.cells()], tmp_path)["comparisons"]
+    assert len(comparisons) == 1
+    row = comparisons.iloc[0]
+    assert row["factor"] < 1.05
+    assert bool(row["tie"]) == (row["factor_ci_low"] <= 1.0)
+
+
+def test_mismatches_and_errors_invalidate_a_cell_and_keep_it_out_of_the_verdict(tmp_path, monkeypatch, demo_raw):
+    monkeypatch.chdir(tmp_path)
+    raw = with_changes(demo_raw, **{"workloads.decode.concurrency": [1]})
+    raw["workloads"]["single_turn"]["enabled"] = False
+    raw["workloads"]["multi_turn"]["enabled"] = False
+    experiment = Experiment(raw)
+    bad, good = experiment.cells()
+    synthetic_cell(tmp_path / bad.path, bad.configuration, "decode", 512, 1, ttft_s=0.1, interval_s=0.001, mismatched=2)
+    synthetic_cell(tmp_path / good.path, good.configuration, "decode", 512, 1, ttft_s=0.1, interval_s=0.004, errors=1)
+    tables = run_aggregate(experiment, [bad.path, good.path], tmp_path)
+    summary = tables["summary"].set_index("configuration")
+    assert summary.loc[bad.configuration, "n_token_mismatch"] == 2
+    assert summary.loc[good.configuration, "n_errors"] == 1
+    assert not summary["valid"].any()
+    assert tables["comparisons"].empty
+    requests = tables["requests"]
+    assert (~requests["prompt_tokens_ok"]).sum() == 2
+
+
+def test_verdict_primary_values_filter_turn_and_validity(demo_grid, tmp_path):
+    experiment, cells = demo_grid
+    requests = run_aggregate(experiment, cells, tmp_path)["requests"]
+    values = verdict.primary_values(requests, "ngram", "multi_turn", 1024, 4)
+    assert len(values) == 6
+    assert np.median(values) == pytest.approx(0.3, rel=0.06)

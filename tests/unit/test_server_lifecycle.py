@@ -1,0 +1,181 @@
+"""Process management with a stand-in server process (tests/helpers/fake_server.py).
+
+The same guarantees are checked against real vLLM in tests/integration.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import fake_spec
+from servegrid import procs, server
+
+
+def _group_alive(pgid: int) -> list[int]:
+    return [p.pid for p in procs.group_members(pgid)]
+
+
+def _record(runtime: server.Runtime, name: str) -> dict:
+    return server.status(runtime)[[r["configuration"] for r in server.status(runtime)].index(name)]
+
+
+def test_start_reuse_and_stop_take_the_whole_tree(sandbox):
+    facts = server.ensure(fake_spec(), sandbox, owner=None)
+    assert facts.kv_cache_tokens == 12345
+    assert facts.max_concurrency == pytest.approx(3.01)
+    assert facts.engine_version == "fake-0"
+    assert facts.argv[-2:] != ["--host"] and "--served-model-name" in facts.argv
+    assert Path(facts.log_path).is_file() and str(facts.log_path).startswith("results/servers/fake/logs/")
+    pgid = _record(sandbox, "fake")["pgid"]
+    assert len(_group_alive(pgid)) == 2  # the server and its "engine" child
+
+    again = server.ensure(fake_spec(), sandbox, owner=None)
+    assert again.session == facts.session  # reused, not restarted
+
+    outcome = server.stop("fake", sandbox)
+    assert outcome[0]["was_running"] and outcome[0]["left_running"] == []
+    assert _group_alive(pgid) == []
+
+
+def test_changed_spec_replaces_the_server(sandbox):
+    first = server.ensure(fake_spec("fake"), sandbox, owner=None)
+    second = server.ensure(fake_spec("fake", "--startup-delay", "0.1"), sandbox, owner=None)
+    assert second.session != first.session
+    assert procs.ProcessRef.from_dict(_record(sandbox, "fake")["server"]) is not None
+
+
+def test_a_server_that_exits_at_start_fails_within_seconds_with_its_log(sandbox):
+    started = time.monotonic()
+    with pytest.raises(server.ServerError) as error:
+        server.ensure(fake_spec("fake", "--exit-at-start"), sandbox, owner=None)
+    assert time.monotonic() - started < 10
+    message = str(error.value)
+    assert "exited during start-up (exit code 2" in message
+    assert "invalid choice (fake server exiting)" in message  # the log tail
+    assert "results/servers/fake/logs/" in message
+
+
+def test_the_same_failure_is_not_retried_within_one_owner(sandbox):
+    owner = procs.ProcessRef.of(os.getpid())
+    with pytest.raises(server.ServerError):
+        server.ensure(fake_spec("fake", "--exit-at-start"), sandbox, owner=owner)
+    started = time.monotonic()
+    with pytest.raises(server.ServerError, match="failed earlier in this run"):
+        server.ensure(fake_spec("fake", "--exit-at-start"), sandbox, owner=owner)
+    assert time.monotonic() - started < 1
+
+
+def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(sandbox):
+    sandbox.startup_timeout_s = 3
+    with pytest.raises(server.ServerError, match=r"did not become healthy within 3 s") as error:
+        server.ensure(fake_spec("fake", "--never-healthy"), sandbox, owner=None)
+    assert "CPU KV cache size" in str(error.value)
+    pgid = _record(sandbox, "fake")["pgid"]
+    assert _group_alive(pgid) == []
+
+
+def test_an_unexecutable_command_fails_fast(sandbox):
+    spec = fake_spec()
+    spec["command"] = ["/nonexistent/vllm", "{model}"]
+    with pytest.raises(server.ServerError, match="exited during start-up"):
+        server.ensure(spec, sandbox, owner=None)
+
+
+def test_no_free_port_is_reported(sandbox):
+    import socket
+
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        sandbox.port_range = (port, port)
+        with pytest.raises(server.ServerError, match=f"no free port on 127.0.0.1 in operations.port_range {port}"):
+            server.ensure(fake_spec(), sandbox, owner=None)
+
+
+def test_sigterm_resistant_servers_are_killed(sandbox):
+    server.ensure(fake_spec("fake", "--ignore-sigterm"), sandbox, owner=None)
+    pgid = _record(sandbox, "fake")["pgid"]
+    started = time.monotonic()
+    server.stop("fake", sandbox)
+    assert _group_alive(pgid) == []
+    assert time.monotonic() - started < sandbox.shutdown_timeout_s + 10
+
+
+def test_servers_die_with_their_owner_even_on_sigkill(sandbox):
+    owner_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        owner = procs.ProcessRef.of(owner_proc.pid)
+        server.ensure(fake_spec(), sandbox, owner=owner)
+        record = _record(sandbox, "fake")
+        owner_proc.send_signal(signal.SIGKILL)
+        owner_proc.wait()
+        deadline = time.monotonic() + 15
+        while _record(sandbox, "fake")["status"] != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group_alive(record["pgid"]) == []
+        assert _record(sandbox, "fake")["status"] == "stopped"
+        assert "owner process" in _record(sandbox, "fake")["end_reason"]
+    finally:
+        owner_proc.kill()
+
+
+def test_supervisor_gone_the_server_is_still_stopped(sandbox):
+    server.ensure(fake_spec(), sandbox, owner=None)
+    record = _record(sandbox, "fake")
+    os.kill(record["supervisor"]["pid"], signal.SIGKILL)
+    time.sleep(0.3)
+    assert _group_alive(record["pgid"])  # orphaned, still serving
+    server.stop_all(sandbox)
+    assert _group_alive(record["pgid"]) == []
+
+
+def test_cpu_servers_take_turns(sandbox):
+    server.ensure(fake_spec("one"), sandbox, owner=None)
+    first_pgid = _record(sandbox, "one")["pgid"]
+    server.ensure(fake_spec("two"), sandbox, owner=None)
+    assert _group_alive(first_pgid) == []
+    assert _record(sandbox, "two")["alive"]
+
+
+def test_gpu_servers_on_disjoint_devices_coexist(sandbox):
+    sandbox.gpus = [0]
+    server.ensure(fake_spec("one"), sandbox, owner=None)
+    sandbox.gpus = [1]
+    server.ensure(fake_spec("two"), sandbox, owner=None)
+    assert _record(sandbox, "one")["alive"] and _record(sandbox, "two")["alive"]
+    sandbox.gpus = [1, 2]
+    server.ensure(fake_spec("three"), sandbox, owner=None)
+    assert _record(sandbox, "one")["alive"]
+    assert not _record(sandbox, "two")["alive"]
+
+
+def test_placement_and_secrets_in_the_launch_environment(monkeypatch):
+    spec = fake_spec()
+    assert "CUDA_VISIBLE_DEVICES" not in server.server_env(spec, [])
+    assert server.server_env(spec, [2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"
+    spec["api_key_env"] = "SERVEGRID_TEST_KEY"
+    with pytest.raises(server.ServerError, match="SERVEGRID_TEST_KEY"):
+        server.server_env(spec, [])
+    monkeypatch.setenv("SERVEGRID_TEST_KEY", "s3cret")
+    env = server.server_env(spec, [])
+    assert env["VLLM_API_KEY"] == "s3cret"
+    assert server.public_env(spec, env)["VLLM_API_KEY"] == "***"
+    assert server.auth_headers(spec) == {"Authorization": "Bearer s3cret"}
+    assert "s3cret" not in " ".join(server.server_argv(spec, "127.0.0.1", 8000))
+
+
+def test_supervisor_and_server_live_in_their_own_sessions(sandbox):
+    server.ensure(fake_spec(), sandbox, owner=None)
+    record = _record(sandbox, "fake")
+    assert os.getsid(record["supervisor"]["pid"]) != os.getsid(0)
+    assert os.getpgid(record["server"]["pid"]) == record["server"]["pid"]
+    assert psutil.Process(record["server"]["pid"]).ppid() == record["supervisor"]["pid"]
