@@ -148,3 +148,43 @@ def synthetic_cell(
         },
     }
     records.write_cell(path, recs, 1_000_000_000, meta)
+
+
+def copy_workflow(dest: Path) -> Path:
+    """The repository's files (tracked and untracked-but-not-ignored) copied to ``dest``.
+
+    The vLLM environment is linked, not copied: configs name it by relative path.
+    """
+    import shutil
+    import subprocess
+
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    (dest / ".venv-vllm").symlink_to(REPO / ".venv-vllm")
+    return dest
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = 1800):  # type: ignore[no-untyped-def]
+    """Run Snakemake from the test's environment in ``workdir``; returns the CompletedProcess."""
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", *args],
+        cwd=workdir, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -79,7 +79,7 @@ def stop_priority(wildcards):
 
 
 def model_inputs(wildcards):
-    return [EXPERIMENT.raw["model"]["path"]] if EXPERIMENT.raw["model"]["tiny"] else []
+    return [] if EXPERIMENT.tiny_model_spec() is None else [EXPERIMENT.raw["model"]["path"]]
 
 
 def stop_all_servers(reason):

@@ -1,6 +1,6 @@
 """The tiny random-weight model of CPU demos and tests (only when model.tiny is set)."""
 
-if EXPERIMENT.raw["model"]["tiny"]:
+if EXPERIMENT.tiny_model_spec() is not None:
 
     rule tiny_model:
         output:

@@ -129,13 +129,16 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         row["output_tps_total"] = float(valid["output_tokens_reported"].sum() / window) if window > 0 else None
     else:
         row["output_tps_total"] = None
-    for turn in sorted(valid["turn"].unique()) if mode == "multi_turn" else ():
-        turn_rows = valid[valid["turn"] == turn]
-        row[f"ttft_turn{turn}_p50"] = float(turn_rows["ttft_s"].median())
+    # Fixed columns for every mode, so the table has one schema: None where not applicable.
+    turns = valid[valid["turn"] > 0] if mode == "multi_turn" else valid.iloc[0:0]
+    last_turn = int(turns["turn"].max()) if len(turns) else None
+    for name, turn in (("ttft_turn1_p50", 1), ("ttft_turn2_p50", 2), ("ttft_last_turn_p50", last_turn)):
+        values = turns.loc[turns["turn"] == turn, "ttft_s"] if turn is not None else turns["ttft_s"].iloc[0:0]
+        row[name] = float(values.median()) if len(values) else None
     probe = frame[(frame["phase"] == "probe") & frame["valid"]]
-    if mode == "single_turn" and len(probe) == 2:
-        row["probe_first_ttft_s"] = float(probe.loc[probe["turn"] == 1, "ttft_s"].iloc[0])
-        row["probe_second_ttft_s"] = float(probe.loc[probe["turn"] == 2, "ttft_s"].iloc[0])
+    first, second = probe[probe["turn"] == 1], probe[probe["turn"] == 2]
+    row["probe_first_ttft_s"] = float(first["ttft_s"].iloc[0]) if len(first) else None
+    row["probe_second_ttft_s"] = float(second["ttft_s"].iloc[0]) if len(second) else None
     server_metrics = meta["server_metrics"]
     row.update({f"server_{k}": v for k, v in server_metrics["derived"].items()})
     row["server_preemptions"] = server_metrics["delta"].get("num_preemptions")

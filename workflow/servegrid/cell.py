@@ -96,11 +96,13 @@ def run_cell(
     out_path: Path | str,
     owner: server.procs.ProcessRef | None,
     spec: dict[str, Any] | None = None,
+    runtime: server.Runtime | None = None,
 ) -> dict[str, Any]:
     """Measure ``cell`` and write its file; returns the file's metadata."""
     spec = spec or experiment.launch_spec(cell.configuration)
     settings = experiment.cell_settings(cell)
-    runtime = server.Runtime.from_config(experiment.operations, experiment.configurations[cell.configuration]["gpus"])
+    gpus = experiment.configurations[cell.configuration]["gpus"]
+    runtime = runtime or server.Runtime.from_config(experiment.operations, gpus)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     facts = server.ensure(spec, runtime, owner)
     log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)

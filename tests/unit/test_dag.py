@@ -1,0 +1,52 @@
+"""What Snakemake plans, without running anything (dry runs in a copy of the workflow)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from helpers import copy_workflow, snakemake, with_changes, write_yaml
+
+
+@pytest.fixture
+def workdir(tmp_path_factory):
+    return copy_workflow(tmp_path_factory.mktemp("wf"))
+
+
+def planned(result) -> dict[str, int]:
+    """Job counts from a dry run's 'Job stats' table."""
+    assert result.returncode == 0, result.stdout + result.stderr
+    counts = {}
+    block = (result.stdout + result.stderr).split("Job stats:")[1].split("\n\n")[0]
+    for line in block.splitlines():
+        match = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+        if match and match[1] != "total":
+            counts[match[1]] = int(match[2])
+    return counts
+
+
+def test_seed_config_plans_every_cell_of_the_grid(workdir):
+    counts = planned(snakemake(workdir, "-n", "report"))
+    assert counts["cell"] == 82
+    assert counts["server_spec"] == counts["server_stop"] == 2
+    assert counts["report_document"] == 2
+    assert "tiny_model" not in counts
+
+
+def test_configfile_replaces_config_yaml_instead_of_merging(workdir):
+    result = snakemake(workdir, "-n", "--profile", "profiles/cpu-demo", "report")
+    counts = planned(result)
+    assert counts["cell"] == 12 and counts["tiny_model"] == 1
+    assert "results/cells/mtp/" not in result.stdout  # the GPU config's configuration is not inherited
+
+
+def test_invalid_config_fails_before_anything_runs_naming_the_key(workdir, demo_raw):
+    bad = with_changes(demo_raw, **{"workloads.decode.concurrency": [1, -4]})
+    write_yaml(workdir / "bad.yaml", bad)
+    result = snakemake(workdir, "--cores", "1", "report", "--configfile", "bad.yaml")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "concurrency" in output and "-4" in output
+    assert "Building DAG" not in output or "cell" not in output.split("Building DAG")[1]
+    assert not (workdir / "results").exists()  # no server, no model, nothing written

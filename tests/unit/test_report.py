@@ -1,0 +1,100 @@
+"""The bilingual report rendered from fixed cell files: content, locale formats, catalogues."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from babel.messages.extract import extract_from_dir
+from babel.messages.pofile import read_po
+from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
+
+from servegrid import figures, report
+from servegrid.report import LOCALES, TEMPLATES
+
+
+@pytest.fixture
+def rendered(demo_grid, tmp_path):  # noqa: F811
+    experiment, cells = demo_grid
+    run_aggregate(experiment, cells, tmp_path)
+    figures_dir = tmp_path / "figures"
+    figures.draw_all(experiment, str(tmp_path / "summary.parquet"), figures_dir)
+    out = {}
+    for lang in ("pt", "hu"):
+        html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
+        report.render(
+            experiment,
+            lang,
+            summary_path=str(tmp_path / "summary.parquet"),
+            comparisons_path=str(tmp_path / "comparisons.parquet"),
+            servers_path=str(tmp_path / "servers.parquet"),
+            figures_dir=figures_dir,
+            html_out=str(html),
+            pdf_out=str(pdf),
+        )
+        out[lang] = (html.read_text(encoding="utf-8"), pdf)
+    return experiment, out
+
+
+def test_both_languages_render_with_their_own_words_and_number_formats(rendered):
+    _, out = rendered
+    pt, hu = out["pt"][0], out["hu"][0]
+    assert '<html lang="pt-BR">' in pt and '<html lang="hu-HU">' in hu
+    assert "Veredito" in pt and "Verdikt" in hu
+    assert "Multi-turn: sessões concorrentes, contexto crescente" in pt
+    assert "Multi-turn: párhuzamos session-ök, növekvő kontextus" in hu
+    # decimal comma and the locale's thousands separator
+    assert "262.144 tokens" in pt
+    assert "262\u00a0144 token" in hu
+    assert re.search(r"ngram speculation \(3 tokens\), no prefix caching, 2,5×", pt)
+    assert re.search(r"\d+,\d×", hu)
+    assert not re.search(r"\d\.\d×", pt + hu)  # never a decimal point in a ratio
+
+
+def test_verdict_table_has_a_row_per_compared_group(rendered):
+    _, out = rendered
+    for html, _pdf in out.values():
+        verdict = html.split('id="verdict"')[1].split("</section>")[0]
+        assert verdict.count("<tr>") == 1 + 6  # header + 3 modes x 2 concurrencies
+
+
+def test_html_is_self_contained_with_every_figure(rendered):
+    experiment, out = rendered
+    expected = len(figures.figure_specs(experiment))
+    for html, _pdf in out.values():
+        assert html.count('src="data:image/png;base64,') == expected
+        assert not re.search(r'(src|href)="(https?:)?//', html)
+        assert "@font-face" not in html  # the screen version uses installed fonts only
+
+
+def test_pdf_is_written(rendered):
+    _, out = rendered
+    for _html, pdf in out.values():
+        data = Path(pdf).read_bytes()
+        assert data.startswith(b"%PDF") and len(data) > 10_000
+
+
+def test_catalogues_translate_every_template_message():
+    extracted = {
+        message[2] if isinstance(message[2], str) else message[2][0]
+        for message in extract_from_dir(
+            str(TEMPLATES), method_map=[("**.j2", "jinja2")], options_map={"**.j2": {"extensions": "jinja2.ext.i18n"}}
+        )
+    }
+    assert len(extracted) > 40
+    for lang in report.available_languages():
+        with (LOCALES / lang / "LC_MESSAGES" / "messages.po").open("rb") as handle:
+            catalog = read_po(handle)
+        translated = {m.id: m.string for m in catalog if m.id}
+        missing = sorted(extracted - {k for k, v in translated.items() if v})
+        stale = sorted(set(translated) - extracted)
+        assert not missing, f"{lang}: untranslated: {missing}"
+        assert not stale, f"{lang}: no longer in the templates: {stale}"
+        assert not any(m.fuzzy for m in catalog if m.id)
+
+
+def test_languages_come_from_catalogues():
+    assert report.available_languages() == ["hu", "pt"]
+    with pytest.raises(FileNotFoundError, match="no catalogue for language 'de'"):
+        report.load_catalog("de")
