@@ -65,7 +65,9 @@ def synthetic_cell(
     errors: int = 0,
     turns: int = 1,
     spread: float = 0.05,
-    label: str | None = None,
+    hit_rate: float | None = None,
+    preemptions: float = 0.0,
+    kv_usage_max: float = 0.1,
 ) -> None:
     """Write a cell file with known timings, as servegrid.cell would (for aggregation/report tests)."""
     import random as _random
@@ -115,7 +117,13 @@ def synthetic_cell(
             "concurrency": concurrency,
             "id": f"{configuration}/{mode}/ctx{context}_c{concurrency}",
         },
-        "settings": {"mode": mode, "context": context, "concurrency": concurrency},
+        "settings": {
+            "mode": mode,
+            "context": context,
+            "concurrency": concurrency,
+            "workload": {"suffix_tokens": 64, "output_tokens": output_tokens},
+        },
+        "cache_state": "reset",
         "spec_hash": f"hash-{configuration}",
         "server": {
             "configuration": configuration,
@@ -133,18 +141,19 @@ def synthetic_cell(
             "startup_s": 61.5,
             "warmup_s": 0.5,
             "started_at": "2026-11-29T10:00:00+0000",
+            "block_size": 16,
             "host": {"cpu": "Test CPU", "cpu_count": 2, "memory_gib": 23.5, "os": "Linux", "gpus": []},
         },
         "started_at": "2026-11-29T10:00:00+00:00",
         "duration_s": (t - 1_000_000_000) / 1e9,
         "server_metrics": {
-            "delta": {"num_preemptions": 0.0},
+            "delta": {"num_preemptions": preemptions},
             "derived": {
-                "prefix_cache_hit_rate": 0.9,
+                "prefix_cache_hit_rate": hit_rate,
                 "spec_acceptance_rate": None,
                 "spec_mean_acceptance_length": None,
             },
-            "gauges": {"samples": 3, "scrape_errors": 0, "kv_cache_usage_perc_max": 0.1},
+            "gauges": {"samples": 3, "scrape_errors": 0, "kv_cache_usage_perc_max": kv_usage_max},
         },
     }
     records.write_cell(path, recs, 1_000_000_000, meta)

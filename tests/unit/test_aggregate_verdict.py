@@ -17,11 +17,11 @@ def demo_grid(tmp_path, monkeypatch, demo_raw):
     monkeypatch.chdir(tmp_path)
     experiment = Experiment(demo_raw)
     timings = {
-        ("prefix_cache", "decode"): {"ttft_s": 0.1, "interval_s": 0.005},
+        ("prefix_cache", "decode"): {"ttft_s": 0.1, "interval_s": 0.005, "hit_rate": 0.0},
         ("ngram", "decode"): {"ttft_s": 0.1, "interval_s": 0.002, "tokens_per_chunk": 4},
-        ("prefix_cache", "single_turn"): {"ttft_s": 0.05, "interval_s": 0.005},
+        ("prefix_cache", "single_turn"): {"ttft_s": 0.05, "interval_s": 0.005, "hit_rate": 0.96},
         ("ngram", "single_turn"): {"ttft_s": 0.5, "interval_s": 0.002},
-        ("prefix_cache", "multi_turn"): {"ttft_s": 0.1, "interval_s": 0.005, "turns": 3},
+        ("prefix_cache", "multi_turn"): {"ttft_s": 0.1, "interval_s": 0.005, "turns": 3, "hit_rate": 0.7},
         ("ngram", "multi_turn"): {"ttft_s": 0.3, "interval_s": 0.002, "turns": 3},
     }
     for cell in experiment.cells():
@@ -147,3 +147,43 @@ def test_verdict_primary_values_filter_turn_and_validity(demo_grid, tmp_path):
     values = verdict.primary_values(requests, "ngram", "multi_turn", 1024, 4)
     assert len(values) == 6
     assert np.median(values) == pytest.approx(0.3, rel=0.06)
+
+
+def test_expected_hit_rates_per_mode(demo_grid, tmp_path):
+    experiment, cells = demo_grid
+    summary = run_aggregate(experiment, cells, tmp_path)["summary"].set_index("cell_id")
+    assert summary.loc["prefix_cache/decode/ctx512_c1", "expected_hit_rate"] == 0
+    assert summary.loc["prefix_cache/single_turn/ctx2048_c1", "expected_hit_rate"] == pytest.approx(2048 / 2112)
+    # synthetic turns all have 1024-token prompts: turns 2 and 3 find 1024 cached tokens each
+    assert summary.loc["prefix_cache/multi_turn/ctx1024_c1", "expected_hit_rate"] == pytest.approx(2 / 3)
+    assert summary.loc["ngram/single_turn/ctx2048_c4", "expected_hit_rate"] == 0  # caching off
+    assert not summary["cache_contradiction"].any()
+    assert (summary["cache_state"] == "reset").all()
+
+
+@pytest.mark.parametrize(
+    ("configuration", "mode", "hit_rate"),
+    [("prefix_cache", "single_turn", 0.1), ("prefix_cache", "decode", 0.5), ("ngram", "single_turn", 0.9)],
+)
+def test_a_contradicting_hit_rate_invalidates_the_cell(tmp_path, monkeypatch, demo_raw, configuration, mode, hit_rate):
+    monkeypatch.chdir(tmp_path)
+    experiment = Experiment(demo_raw)
+    cell = experiment.cell(configuration, mode, experiment.mode_settings(mode)["contexts"][0], 1)
+    synthetic_cell(tmp_path / cell.path, configuration, mode, cell.context, 1, ttft_s=0.1, interval_s=0.01,
+                   hit_rate=hit_rate)  # fmt: skip
+    row = run_aggregate(experiment, [cell.path], tmp_path)["summary"].iloc[0]
+    assert bool(row["cache_contradiction"])
+    assert not bool(row["valid"])
+    assert "contradicts the expected" in row["invalid_reasons"]
+
+
+@pytest.mark.parametrize(("preemptions", "kv_usage_max", "limited"), [(0, 0.5, False), (3, 0.5, True), (0, 0.99, True)])
+def test_kv_limited_cells_are_marked(tmp_path, monkeypatch, demo_raw, preemptions, kv_usage_max, limited):
+    monkeypatch.chdir(tmp_path)
+    experiment = Experiment(demo_raw)
+    cell = experiment.cell("ngram", "multi_turn", 1024, 4)
+    synthetic_cell(tmp_path / cell.path, "ngram", "multi_turn", 1024, 4, ttft_s=0.1, interval_s=0.01, turns=3,
+                   preemptions=preemptions, kv_usage_max=kv_usage_max)  # fmt: skip
+    row = run_aggregate(experiment, [cell.path], tmp_path)["summary"].iloc[0]
+    assert bool(row["kv_limited"]) is limited
+    assert row["peak_tokens_asked"] == 4 * (1024 + 32)

@@ -111,7 +111,7 @@ def test_cell_settings_are_the_cells_own_slice(demo_raw):
         assert other.cell_settings(cell) == settings, change
         assert other.launch_spec("ngram") == base.launch_spec("ngram"), change
     # Its own mode's settings, sampling and content are.
-    for change in [{"workloads.decode.output_tokens": 64}, {"sampling.temperature": 0.5}, {"content.seed": 7}]:
+    for change in [{"workloads.decode.output_tokens": 64}, {"sampling.temperature": 0.5}, {"workloads.decode.seed": 7}]:
         assert Experiment(with_changes(demo_raw, **change)).cell_settings(cell) != settings, change
 
 

@@ -79,7 +79,11 @@ def stop_priority(wildcards):
 
 
 def model_inputs(wildcards):
-    return [] if EXPERIMENT.tiny_model_spec() is None else [EXPERIMENT.raw["model"]["path"]]
+    return (
+        []
+        if EXPERIMENT.tiny_model_spec() is None
+        else [EXPERIMENT.raw["model"]["path"]]
+    )
 
 
 def stop_all_servers(reason):

@@ -110,7 +110,6 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         "primary_higher_is_better": primary.higher_is_better,
         "primary_n": len(primary_rows),
     }
-    row["valid"] = row["n_requests"] > 0 and row["n_errors"] == 0 and row["n_token_mismatch"] == 0
     values = primary_rows[primary.column].to_numpy(dtype=float)
     row["primary_p50"] = stats.percentiles(values)["p50"]
     row["primary_ci_low"], row["primary_ci_high"] = stats.median_ci(values)
@@ -146,10 +145,84 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     server = meta["server"]
     row["engine_version"] = server.get("engine_version")
     row["kv_cache_tokens"] = server.get("kv_cache_tokens")
+    row["block_size"] = server.get("block_size")
     row["server_session"] = server.get("session")
     row["spec_hash"] = meta["spec_hash"]
     row["started_at"] = meta["started_at"]
+    row["cache_state"] = meta.get("cache_state")
+    row["expected_hit_rate"] = expected_hit_rate(
+        mode, bool(conf.get("prefix_caching")), meta["settings"], measured, row["block_size"]
+    )
+    row["cache_contradiction"] = cache_contradicts(row["expected_hit_rate"], row["server_prefix_cache_hit_rate"])
+    row["peak_tokens_asked"] = peak_tokens_asked(measured, cell["concurrency"])
+    row["kv_limited"] = kv_limited(row)
+    reasons = []
+    if row["n_requests"] == 0:
+        reasons.append("no measured requests")
+    if row["n_errors"]:
+        reasons.append(f"{row['n_errors']} failed requests")
+    if row["n_token_mismatch"]:
+        reasons.append(f"{row['n_token_mismatch']} token-count mismatches")
+    if row["cache_contradiction"]:
+        reasons.append(
+            f"prefix-cache hit rate {row['server_prefix_cache_hit_rate']:.2f} "
+            f"contradicts the expected {row['expected_hit_rate']:.2f}"
+        )
+    row["invalid_reasons"] = "; ".join(reasons)
+    row["valid"] = not reasons
     return row
+
+
+def expected_hit_rate(
+    mode: str, prefix_caching: bool, settings: dict[str, Any], measured: pd.DataFrame, block_size: int | None
+) -> float:
+    """The prefix-cache hit rate the mode should produce over its measured requests.
+
+    Hits come in whole KV blocks. decode: 0 (cold prompts). single_turn: the
+    shared prefix, block-floored, over prefix + suffix. multi_turn: each turn
+    after the first finds the previous turn's prompt cached (the reply may
+    add a little more, which makes the measured rate at least this).
+    Without prefix caching: 0.
+    """
+    if not prefix_caching or mode == "decode" or measured.empty:
+        return 0.0
+    block = block_size or 1
+    if mode == "single_turn":
+        prefix = settings["context"]
+        return (prefix // block) * block / (prefix + settings["workload"]["suffix_tokens"])
+    hits = total = 0
+    for _, conversation in measured.sort_values("turn").groupby(["session", "seq"]):
+        previous = None
+        for prompt in conversation["prompt_tokens_reported"].astype(float):
+            total += prompt
+            if previous is not None:
+                hits += (previous // block) * block
+            previous = prompt
+    return float(hits / total) if total else 0.0
+
+
+def cache_contradicts(expected: float, measured: float | None) -> bool:
+    """True when the measured hit rate says the cell did not measure what its mode means."""
+    if measured is None or (isinstance(measured, float) and np.isnan(measured)):
+        return expected > 0.05  # expected hits, but the server reports no prefix-cache traffic at all
+    if expected <= 0.05:
+        return measured > 0.05
+    return measured < 0.8 * expected
+
+
+def peak_tokens_asked(measured: pd.DataFrame, concurrency: int) -> int | None:
+    """KV tokens the cell could hold at once: its sessions × its longest request."""
+    if measured.empty:
+        return None
+    longest = (measured["prompt_tokens_requested"] + measured["output_tokens_requested"]).max()
+    return int(longest * concurrency)
+
+
+def kv_limited(row: dict[str, Any]) -> bool:
+    """The cell ran into the KV-cache capacity: preemptions, a full pool, or a queue for a nearly full one."""
+    usage = row.get("server_kv_cache_usage_perc_max") or 0.0
+    waiting = row.get("server_num_requests_waiting_capacity_max") or 0.0
+    return bool((row.get("server_preemptions") or 0) > 0 or usage >= 0.98 or (waiting > 0 and usage >= 0.9))
 
 
 def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experiment) -> pd.DataFrame:

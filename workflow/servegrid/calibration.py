@@ -43,6 +43,7 @@ class Script:
     # Deliberate faults, to provoke the client's validity checks.
     prompt_tokens_offset: int = 0
     completion_tokens_offset: int = 0
+    prefix_cache: bool = True
     legacy_metric_names: bool = False
 
 
@@ -55,7 +56,7 @@ class Counters:
     prefix_hits: int = 0
     running: int = 0
     max_late_ns: int = 0
-    seen_prefixes: set[tuple[int, ...]] = field(default_factory=set)
+    seen_blocks: set[int] = field(default_factory=set)
 
 
 class Vocabulary:
@@ -155,16 +156,17 @@ class CalibrationServer:
 
     # ---- streaming ---------------------------------------------------------------
     def _count_prefix_hits(self, ids: list[int]) -> None:
-        """Block-wise prefix cache bookkeeping, so hit-rate figures have something to measure."""
-        blocks = len(ids) // BLOCK
-        hits = 0
-        for b in range(1, blocks + 1):
-            key = tuple(ids[: b * BLOCK])
-            if key in self.counters.seen_prefixes:
-                hits = b
-            self.counters.seen_prefixes.add(key)
+        """Block-wise prefix caching as vLLM does it: a chain of block hashes, hits up to the first miss."""
+        chain, hits, missed = 0, 0, False
+        for start in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
+            chain = hash((chain, *ids[start : start + BLOCK]))
+            if not missed and self.script.prefix_cache and chain in self.counters.seen_blocks:
+                hits += BLOCK
+            else:
+                missed = True
+            self.counters.seen_blocks.add(chain)
         self.counters.prefix_queries += len(ids)
-        self.counters.prefix_hits += hits * BLOCK
+        self.counters.prefix_hits += hits
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -253,18 +255,32 @@ class RunningServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="servegrid calibration server (loopback only by default)")
+    parser = argparse.ArgumentParser(
+        description="servegrid calibration server (loopback only by default). Accepts and ignores "
+        "vLLM's launch flags, so a config's engine.command can point at it in tests."
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8900)
+    parser.add_argument("--served-model-name", default="calibration")
     parser.add_argument("--ttft", type=float, default=0.02, help="seconds to the first chunk")
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between chunks")
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--jitter", type=float, default=0.0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--prompt-tokens-offset", type=int, default=0, help="fault: misreport usage.prompt_tokens")
+    parser.add_argument("--completion-tokens-offset", type=int, default=0, help="fault: misreport the output")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="fault: never report a cache hit")
+    args, _vllm_flags = parser.parse_known_args(argv)
     script = Script(
-        ttft_s=args.ttft, interval_s=args.interval, tokens_per_chunk=args.tokens_per_chunk, jitter_s=args.jitter
+        ttft_s=args.ttft,
+        interval_s=args.interval,
+        tokens_per_chunk=args.tokens_per_chunk,
+        jitter_s=args.jitter,
+        prompt_tokens_offset=args.prompt_tokens_offset,
+        completion_tokens_offset=args.completion_tokens_offset,
+        prefix_cache=not args.no_prefix_cache,
     )
-    web.run_app(CalibrationServer(script).app(), host=args.host, port=args.port, access_log=None)
+    app = CalibrationServer(script, model=args.served_model_name).app()
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import asdict
@@ -31,6 +32,19 @@ def corpus_tokens_needed(settings: dict[str, Any]) -> int:
     return min(max(longest + 512, 4096), 200_000)
 
 
+def reset_prefix_cache(client: httpx.Client, url: str) -> str:
+    """Empty the server's prefix cache if it lets us (vLLM with VLLM_SERVER_DEV_MODE=1).
+
+    Either way every cell's prompts start with a fresh nonce, so no earlier cell
+    can have left a reusable prefix; the reset also frees the blocks they occupy.
+    """
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        response = client.post(f"{url}/reset_prefix_cache")
+        if response.status_code == 200 and response.json().get("success"):
+            return "reset"
+    return "fresh content"
+
+
 async def _measure(
     settings: dict[str, Any], spec: dict[str, Any], facts: server.ServerFacts, operations: dict[str, Any]
 ) -> tuple[list[RequestRecord], int, dict[str, Any]]:
@@ -48,7 +62,8 @@ async def _measure(
             response.raise_for_status()
             return list(response.json()["tokens"])
 
-        builder = PromptBuilder(tokenize, settings["content"]["seed"], corpus_tokens_needed(settings))
+        builder = PromptBuilder(tokenize, settings["workload"]["seed"], corpus_tokens_needed(settings))
+        cache_state = reset_prefix_cache(sync_client, url)
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
             ctx = WorkloadContext(
                 mode=settings["mode"],
@@ -87,7 +102,12 @@ async def _measure(
         "gauges": sampler.summary(),
         "gauge_samples": [{**s, "t": s["t"] - state["t0_ns"] / 1e9} for s in sampler.samples],
     }
-    return ctx.records, state["t0_ns"], {"server_metrics": server_metrics, "duration_s": (t1_ns - state["t0_ns"]) / 1e9}
+    measured = {
+        "server_metrics": server_metrics,
+        "duration_s": (t1_ns - state["t0_ns"]) / 1e9,
+        "cache_state": cache_state,
+    }
+    return ctx.records, state["t0_ns"], measured
 
 
 def run_cell(

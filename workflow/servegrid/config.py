@@ -205,7 +205,6 @@ class Experiment:
             "concurrency": cell.concurrency,
             "workload": workload,
             "sampling": self.raw["sampling"],
-            "content": self.raw["content"],
         }
 
     def configuration_index(self, name: str) -> int:

@@ -29,7 +29,7 @@ COUNTERS = (
     "prompt_tokens",
     "generation_tokens",
 )
-GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_waiting_capacity")
 
 _ALIASES = {
     "gpu_prefix_cache_queries": "prefix_cache_queries",
@@ -53,13 +53,25 @@ def parse(exposition: str, model_name: str | None = None) -> dict[str, float]:
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             name = canonical_name(sample.name)
+            labels = sample.labels
+            if name == "num_requests_waiting_by_reason":
+                # vLLM >= 0.11 splits waiting requests by reason; "capacity" is the scheduler's queue.
+                name = f"num_requests_waiting_{labels.get('reason', '')}"
             if name not in COUNTERS and name not in GAUGES:
                 continue
-            labels = sample.labels
             if model_name and "model_name" in labels and labels["model_name"] != model_name:
                 continue
             values[name] = values.get(name, 0.0) + float(sample.value)
     return values
+
+
+def cache_config(exposition: str) -> dict[str, str]:
+    """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...), or {} if absent."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name.removeprefix("vllm:") == "cache_config_info":
+                return dict(sample.labels)
+    return {}
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

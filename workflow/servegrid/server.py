@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from servegrid import atomic, hostinfo, paths, procs
+from servegrid import atomic, hostinfo, metrics, paths, procs
 from servegrid.config import spec_hash
 
 KV_TOKENS_RE = re.compile(r"(?:GPU|CPU|XPU|TPU)? ?KV cache size: ([\d,]+) tokens")
@@ -88,6 +88,7 @@ class ServerFacts:
     warmup_s: float
     started_at: str
     host: dict[str, Any]
+    block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
 
 
 def owner_from_env() -> procs.ProcessRef | None:
@@ -306,7 +307,7 @@ def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.Pro
         _wait_healthy(url, spec, record_path, log_path, runtime.startup_timeout_s, configuration)
         startup_s = time.monotonic() - started
         warm_started = time.monotonic()
-        version, max_model_len = _warm_up(url, spec)
+        version, max_model_len, block_size = _warm_up(url, spec)
         warmup_s = time.monotonic() - warm_started
     except BaseException:
         record = _read(record_path)
@@ -333,6 +334,7 @@ def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.Pro
         warmup_s=round(warmup_s, 3),
         started_at=started_at,
         host=hostinfo.describe(runtime.gpus),
+        block_size=block_size,
     )
     atomic.write_json(_facts_path(runtime, configuration), asdict(facts))
     return facts
@@ -385,8 +387,8 @@ def _healthy(url: str, spec: dict[str, Any]) -> bool:
         return False
 
 
-def _warm_up(url: str, spec: dict[str, Any]) -> tuple[str | None, int | None]:
-    """One unmeasured request (the first after start is slow), then the engine's version."""
+def _warm_up(url: str, spec: dict[str, Any]) -> tuple[str | None, int | None, int | None]:
+    """One unmeasured request (the first after start is slow), then what the engine says of itself."""
     headers = auth_headers(spec)
     with httpx.Client(timeout=600.0, headers=headers) as client:
         response = client.post(
@@ -401,7 +403,10 @@ def _warm_up(url: str, spec: dict[str, Any]) -> tuple[str | None, int | None]:
         max_model_len = None
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
             max_model_len = client.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
-    return version, max_model_len
+        block_size = None
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            block_size = int(metrics.cache_config(client.get(f"{url}/metrics").text)["block_size"])
+    return version, max_model_len, block_size
 
 
 # ---- teardown -----------------------------------------------------------------

@@ -4,7 +4,9 @@ A cell group is one mode × context × concurrency measured on several
 configurations. The winner is the configuration with the best primary figure
 (p50); the factor is how many times better it is than the runner-up (always
 ≥ 1). The 95% interval of that factor comes from bootstrapping both
-configurations' requests; when it includes 1 the group is a tie.
+configurations' requests; when it includes 1 the group is a tie. When either
+cell ran into the KV-cache capacity the group is "neither — KV limit": the
+figure then measures the pool, not the configuration.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
                 "factor_ci_low": low,
                 "factor_ci_high": high,
                 "tie": bool(low is not None and low <= 1.0),
+                "kv_limited": bool(best["kv_limited"] or runner_up["kv_limited"]),
             }
         )
     return pd.DataFrame(rows)

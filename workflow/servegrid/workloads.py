@@ -76,6 +76,11 @@ class WorkloadContext:
     async def complete(self, record: RequestRecord, prompt: list[int]) -> None:
         await self.streamer.stream("/v1/completions", self.completion_payload(prompt), record)
 
+    def may_start(self, start_ns: int) -> bool:
+        """False once the measured phase has run for ``duration_s`` (when set)."""
+        duration = self.workload.get("duration_s")
+        return duration is None or time.monotonic_ns() - start_ns < duration * 1e9
+
 
 async def _sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitable[None]]) -> None:
     """Run ``concurrency`` closed-loop sessions that start at one instant.
@@ -105,6 +110,8 @@ async def decode(ctx: WorkloadContext, measure: MeasureHook) -> None:
     async def session(s: int, start_ns: int) -> None:
         intended = start_ns
         for r, prompt in enumerate(prompts[s]):
+            if not ctx.may_start(start_ns):
+                break
             record = ctx.new_record(s, r, "measured", len(prompt))
             record.intended_send_ns = intended
             await ctx.complete(record, prompt)
@@ -143,6 +150,8 @@ async def single_turn(ctx: WorkloadContext, measure: MeasureHook) -> None:
     async def session(s: int, start_ns: int) -> None:
         intended = start_ns
         for r in range(n_per_session):
+            if not ctx.may_start(start_ns):
+                break
             prompt = shared[s * n_per_session + r]
             record = ctx.new_record(s, r, "measured", len(prompt))
             record.intended_send_ns = intended
@@ -251,6 +260,8 @@ async def multi_turn(ctx: WorkloadContext, measure: MeasureHook) -> None:
     async def session(s: int, start_ns: int) -> None:
         intended = start_ns
         for c, (opening, later) in enumerate(conversations[s]):
+            if not ctx.may_start(start_ns):
+                break
             intended = await converse(s, c, "measured", opening, later, intended)
 
     await _sessions(ctx, session)

@@ -1,0 +1,80 @@
+"""Validity flags, provoked: a server that misreports tokens, one that never hits its cache.
+
+The calibration server stands in for the engine here (engine.command points at
+it) because only a scripted server can be told to misbehave; the same cells on
+real vLLM are in tests/integration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pandas as pd
+import pytest
+
+from servegrid import aggregate, procs
+from servegrid.cell import run_cell
+from servegrid.config import Experiment
+
+
+def calibration_experiment() -> Experiment:
+    return Experiment(
+        {
+            "experiment": {"title": "flags"},
+            "model": {"path": "none", "served_name": "calibration"},
+            "engine": {"command": [sys.executable, "-m", "servegrid.calibration", "--model", "{model}"]},
+            "configurations": {
+                "honest": {"label": "honest", "prefix_caching": True},
+                "misreports_tokens": {
+                    "label": "bad usage", "prefix_caching": True, "args": ["--prompt-tokens-offset", "1"],
+                },
+                "loses_its_cache": {"label": "no hits", "prefix_caching": True, "args": ["--no-prefix-cache"]},
+            },
+            "workloads": {
+                "decode": {"contexts": [64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 2},
+                "single_turn": {"contexts": [512], "concurrency": [2], "suffix_tokens": 32, "output_tokens": 4},
+                "multi_turn": {"contexts": [128], "concurrency": [2], "turns": 3, "tokens_per_turn": 64,
+                               "output_tokens": 8},
+            },
+            "operations": {"request_timeout_s": 30},
+        }
+    )  # fmt: skip
+
+
+@pytest.fixture
+def summary_of(sandbox, tmp_path):  # type: ignore[no-untyped-def]
+    experiment = calibration_experiment()
+    owner = procs.ProcessRef.of(os.getpid())
+
+    def measure(configuration: str, mode: str) -> pd.Series:
+        (cell,) = [c for c in experiment.cells(configuration) if c.mode == mode]
+        run_cell(experiment, cell, cell.path, owner=owner, runtime=sandbox)
+        out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
+        aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
+        return pd.read_parquet(out["s"]).iloc[0]
+
+    return measure
+
+
+@pytest.mark.parametrize("mode", ["decode", "single_turn", "multi_turn"])
+def test_an_honest_server_passes_every_check(summary_of, mode):
+    row = summary_of("honest", mode)
+    assert bool(row["valid"]), row["invalid_reasons"]
+    assert row["n_token_mismatch"] == 0 and row["n_errors"] == 0
+    assert not bool(row["cache_contradiction"])
+    assert row["cache_state"] == "fresh content"  # the calibration server has no reset endpoint
+
+
+def test_misreported_prompt_tokens_invalidate_the_cell(summary_of):
+    row = summary_of("misreports_tokens", "decode")
+    assert row["n_token_mismatch"] == row["n_requests"] == 4
+    assert not bool(row["valid"])
+    assert "token-count mismatches" in row["invalid_reasons"]
+
+
+def test_a_cache_that_never_hits_contradicts_single_turn(summary_of):
+    row = summary_of("loses_its_cache", "single_turn")
+    assert row["expected_hit_rate"] == pytest.approx(512 / 544)
+    assert row["server_prefix_cache_hit_rate"] == 0
+    assert bool(row["cache_contradiction"]) and not bool(row["valid"])
