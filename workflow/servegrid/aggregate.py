@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from servegrid import atomic, records, stats
+from servegrid import atomic, metrics, records, stats
 from servegrid.config import Experiment
 
 
@@ -141,7 +141,10 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     server_metrics = meta["server_metrics"]
     row.update({f"server_{k}": v for k, v in server_metrics["derived"].items()})
     row["server_preemptions"] = server_metrics["delta"].get("num_preemptions")
-    row.update({f"server_{k}": v for k, v in server_metrics["gauges"].items() if k not in ("samples", "scrape_errors")})
+    gauges = server_metrics["gauges"]
+    for gauge in metrics.GAUGES:
+        for stat in ("max", "mean"):
+            row[f"server_{gauge}_{stat}"] = gauges.get(f"{gauge}_{stat}")
     server = meta["server"]
     row["engine_version"] = server.get("engine_version")
     row["kv_cache_tokens"] = server.get("kv_cache_tokens")
