@@ -78,3 +78,17 @@ def test_a_cache_that_never_hits_contradicts_single_turn(summary_of):
     assert row["expected_hit_rate"] == pytest.approx(512 / 544)
     assert row["server_prefix_cache_hit_rate"] == 0
     assert bool(row["cache_contradiction"]) and not bool(row["valid"])
+
+
+def test_duration_limit_stops_sessions_from_starting_new_requests(sandbox):
+    raw = calibration_experiment().raw
+    decode = {"contexts": [16], "concurrency": [2], "output_tokens": 20, "requests_per_session": 50}
+    raw["workloads"] = {"decode": {**decode, "duration_s": 0.5, "warmup_requests": 0}}
+    experiment = Experiment(raw)
+    (cell,) = experiment.cells("honest")
+    run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    table = pd.read_parquet(cell.path)
+    measured = table[table["phase"] == "measured"]
+    # each request takes ~0.02 + 19 x 0.005 s: about 4 per session fit in 0.5 s, never the 50 allowed
+    assert 2 <= len(measured) < 2 * 10
+    assert measured["sent_s"].max() < 0.5
