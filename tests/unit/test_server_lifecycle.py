@@ -179,3 +179,48 @@ def test_supervisor_and_server_live_in_their_own_sessions(sandbox):
     assert os.getsid(record["supervisor"]["pid"]) != os.getsid(0)
     assert os.getpgid(record["server"]["pid"]) == record["server"]["pid"]
     assert psutil.Process(record["server"]["pid"]).ppid() == record["supervisor"]["pid"]
+
+
+def test_a_leased_server_is_not_stopped_under_its_cell(sandbox):
+    import threading
+
+    server.ensure(fake_spec("one"), sandbox, owner=None)
+    first_pgid = _record(sandbox, "one")["pgid"]
+    released = threading.Event()
+
+    def measuring_cell() -> None:
+        with server.lease("one", sandbox):
+            time.sleep(2.0)
+            assert _group_alive(first_pgid), "stopped while a cell was using it"
+        released.set()
+
+    worker = threading.Thread(target=measuring_cell)
+    worker.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    server.ensure(fake_spec("two"), sandbox, owner=None)  # a CPU server: competes with "one"
+    waited = time.monotonic() - started
+    worker.join()
+    assert released.is_set() and waited >= 1.5
+    assert _group_alive(first_pgid) == []
+
+
+def test_stop_waits_for_the_cell_that_holds_the_lease(sandbox):
+    import threading
+
+    server.ensure(fake_spec("one"), sandbox, owner=None)
+    pgid = _record(sandbox, "one")["pgid"]
+    alive_at_release = []
+
+    def measuring_cell() -> None:
+        with server.lease("one", sandbox):
+            time.sleep(1.0)
+            alive_at_release.append(bool(_group_alive(pgid)))
+
+    worker = threading.Thread(target=measuring_cell)
+    worker.start()
+    time.sleep(0.2)
+    server.stop("one", sandbox)
+    worker.join()
+    assert alive_at_release == [True]
+    assert _group_alive(pgid) == []

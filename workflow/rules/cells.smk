@@ -11,6 +11,8 @@ rule cell:
     priority: cell_priority
     conda:
         "../../envs/pipeline.yaml"
+    resources:
+        **device_slots(),
     params:
         settings=cell_settings,
     script:

@@ -66,6 +66,24 @@ def all_server_stops():
     return [paths.server_stop(name) for name in CONFIGURATIONS]
 
 
+def device_slots():
+    """Snakemake resources that keep one cell per device at a time: gpu<i> for every GPU a
+    configuration names, cpu_server for configurations without GPUs. Their limits (1 each)
+    come from the workflow profile profiles/default, which Snakemake loads by itself."""
+
+    def uses(gpu):
+        return lambda wildcards: int(
+            gpu in EXPERIMENT.configurations[wildcards.configuration]["gpus"]
+        )
+
+    indices = sorted({g for c in EXPERIMENT.configurations.values() for g in c["gpus"]})
+    slots = {f"gpu{i}": uses(i) for i in indices}
+    slots["cpu_server"] = lambda wildcards: int(
+        not EXPERIMENT.configurations[wildcards.configuration]["gpus"]
+    )
+    return slots
+
+
 # With --cores 1 Snakemake runs the highest priority ready job first: all cells
 # of the first configuration, then its server_stop, then the next
 # configuration. So each server starts at most once per run and is stopped

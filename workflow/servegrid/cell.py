@@ -123,23 +123,24 @@ def run_cell(
     settings = experiment.cell_settings(cell)
     gpus = experiment.configurations[cell.configuration]["gpus"]
     runtime = runtime or server.Runtime.from_config(experiment.operations, gpus)
-    started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    facts = server.ensure(spec, runtime, owner)
-    log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
-    try:
-        request_records, t0_ns, measured = asyncio.run(_measure(settings, spec, facts, experiment.operations))
-    except httpx.HTTPError as exc:
-        raise CellError(
-            f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
-            f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
-        ) from exc
+    started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+    with server.lease(cell.configuration, runtime):
+        facts = server.ensure(spec, runtime, owner)
+        log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
+        try:
+            request_records, t0_ns, measured = asyncio.run(_measure(settings, spec, facts, experiment.operations))
+        except httpx.HTTPError as exc:
+            raise CellError(
+                f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
+                f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
+            ) from exc
     meta = {
         "cell": asdict(cell) | {"id": cell.id},
         "settings": settings,
         "spec_hash": facts.spec_hash,
         "server": asdict(facts),
         "started_at": started_at,
-        "ended_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "ended_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
         **measured,
     }
     records.write_cell(out_path, request_records, t0_ns, meta)

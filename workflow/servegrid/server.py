@@ -210,28 +210,67 @@ def _conflicts(a_gpus: list[int], b_gpus: list[int]) -> bool:
 
 
 def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | None) -> ServerFacts:
-    """Return a healthy, warmed-up server for ``spec``: reused if one is up, else started."""
+    """Return a healthy, warmed-up server for ``spec``: reused if one is up, else started.
+
+    A server that competes for the same devices is stopped first, but never
+    while a cell holds its :func:`lease`: then this waits for the cell to end.
+    """
     configuration = spec["configuration"]
     wanted = spec_hash(spec)
-    with _locked(runtime):
-        record = _read(_record_path(runtime, configuration))
-        facts = _read(_facts_path(runtime, configuration))
-        if record and _live(record):
-            if record["spec_hash"] == wanted and facts and _healthy(record["url"], spec):
-                return ServerFacts(**facts)
-            _stop_record(record, runtime, reason="replaced by a server with another spec")
-        _raise_if_failed_before(runtime, configuration, wanted, owner)
-        for other, other_record in _records(runtime).items():
-            if other != configuration and _live(other_record) and _conflicts(runtime.gpus, other_record["gpus"]):
-                _stop_record(other_record, runtime, reason=f"devices needed by {configuration}")
+    while True:
+        with _locked(runtime):
+            record = _read(_record_path(runtime, configuration))
+            facts = _read(_facts_path(runtime, configuration))
+            if record and _live(record):
+                if record["spec_hash"] == wanted and facts and _healthy(record["url"], spec):
+                    return ServerFacts(**facts)
+                _stop_record(record, runtime, reason="replaced by a server with another spec")
+            _raise_if_failed_before(runtime, configuration, wanted, owner)
+            rivals = [
+                r
+                for other, r in _records(runtime).items()
+                if other != configuration and _live(r) and _conflicts(runtime.gpus, r["gpus"])
+            ]
+            with contextlib.ExitStack() as held:
+                if all(held.enter_context(_try_lease(runtime, r["configuration"])) for r in rivals):
+                    for rival in rivals:
+                        _stop_record(rival, runtime, reason=f"devices needed by {configuration}")
+                    try:
+                        return _start(spec, wanted, runtime, owner)
+                    except ServerError as exc:
+                        atomic.write_json(
+                            _failure_path(runtime, configuration),
+                            {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc)},
+                        )
+                        raise
+        # A rival server is measuring a cell right now: let it finish.
+        time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def lease(configuration: str, runtime: Runtime) -> Iterator[None]:
+    """Held by a cell while it uses its configuration's server: one cell per server at a time,
+    and no other configuration may stop the server under it."""
+    with open(_state(runtime) / f"{configuration}.lease", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            return _start(spec, wanted, runtime, owner)
-        except ServerError as exc:
-            atomic.write_json(
-                _failure_path(runtime, configuration),
-                {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc)},
-            )
-            raise
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
+    with open(_state(runtime) / f"{configuration}.lease", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _raise_if_failed_before(runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None) -> None:
@@ -436,8 +475,8 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
 
 
 def stop(configuration: str, runtime: Runtime, reason: str = "last cell done") -> list[dict[str, Any]]:
-    """Stop the server of ``configuration`` if one is up; returns what was done."""
-    with _locked(runtime):
+    """Stop the server of ``configuration`` if one is up, once no cell uses it; returns what was done."""
+    with lease(configuration, runtime), _locked(runtime):
         record = _read(_record_path(runtime, configuration))
         if not record:
             return []

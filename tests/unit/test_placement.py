@@ -1,0 +1,102 @@
+"""GPU placement without GPUs: what each server would get, and who may run beside whom.
+
+The engine here is the calibration server (it ignores CUDA_VISIBLE_DEVICES),
+so that Snakemake's scheduling and servegrid's device rules can be watched
+with --cores 2 on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from itertools import combinations
+
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import copy_workflow, snakemake, write_yaml
+from servegrid import server
+from servegrid.config import Experiment
+from servegrid.records import METADATA_KEY
+
+
+def test_each_configuration_gets_its_own_gpus(seed_raw):
+    seed = Experiment(seed_raw)
+    for name, expected in (("prefix_cache", "0"), ("mtp", "1")):
+        spec = seed.launch_spec(name)
+        env = server.server_env(spec, seed.configurations[name]["gpus"])
+        assert env["CUDA_VISIBLE_DEVICES"] == expected
+        argv = server.server_argv(spec, "127.0.0.1", 8100)
+        assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3.8-27B-FP8"]
+        assert "CUDA_VISIBLE_DEVICES" not in " ".join(argv)
+
+
+def placement_config() -> dict:
+    def conf(gpus: list[int]) -> dict:
+        return {"label": f"gpus {gpus}", "prefix_caching": True, "gpus": gpus}
+
+    return {
+        "experiment": {"title": "placement"},
+        "model": {"path": "none", "served_name": "calibration"},
+        "engine": {
+            "command": [sys.executable, "-m", "servegrid.calibration", "--model", "{model}"],
+            "args": ["--interval", "0.01"],
+        },
+        "configurations": {"on_gpu0": conf([0]), "on_gpu1": conf([1]), "also_gpu0": conf([0])},
+        "workloads": {
+            "decode": {
+                "contexts": [32],
+                "concurrency": [1, 2],
+                "output_tokens": 60,
+                "requests_per_session": 2,
+                "warmup_requests": 0,
+            }
+        },
+        "operations": {"port_range": [8700, 8760], "startup_timeout_s": 60},
+    }
+
+
+def intervals(workdir) -> dict[str, list[tuple[datetime, datetime, str]]]:
+    out: dict[str, list] = {}
+    for path in sorted((workdir / "results" / "cells").glob("*/*/*.parquet")):
+        meta = json.loads(pq.read_schema(path).metadata[METADATA_KEY])
+        span = (
+            datetime.fromisoformat(meta["started_at"]),
+            datetime.fromisoformat(meta["ended_at"]),
+            meta["server"]["session"],
+        )
+        out.setdefault(meta["cell"]["configuration"], []).append(span)
+    return out
+
+
+def overlaps(a, b) -> bool:  # type: ignore[no-untyped-def]
+    return a[0] < b[1] and b[0] < a[1]
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory):  # type: ignore[no-untyped-def]
+    workdir = copy_workflow(tmp_path_factory.mktemp("placement"))
+    write_yaml(workdir / "placement.yaml", placement_config())
+    result = snakemake(workdir, "--cores", "2", "report", "--configfile", "placement.yaml", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir, intervals(workdir)
+
+
+def test_configurations_on_different_gpus_run_side_by_side(placed):
+    _, spans = placed
+    assert any(overlaps(a, b) for a in spans["on_gpu0"] + spans["also_gpu0"] for b in spans["on_gpu1"])
+
+
+def test_never_two_cells_on_one_gpu(placed):
+    _, spans = placed
+    for a, b in combinations(spans["on_gpu0"] + spans["also_gpu0"], 2):
+        assert not overlaps(a, b)
+    for a, b in combinations(spans["on_gpu1"], 2):
+        assert not overlaps(a, b)
+
+
+def test_each_server_started_once(placed):
+    _, spans = placed
+    for name, cells in spans.items():
+        assert len({session for *_, session in cells}) == 1, name
