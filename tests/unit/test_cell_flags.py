@@ -30,6 +30,7 @@ def calibration_experiment() -> Experiment:
                     "label": "bad usage", "prefix_caching": True, "args": ["--prompt-tokens-offset", "1"],
                 },
                 "loses_its_cache": {"label": "no hits", "prefix_caching": True, "args": ["--no-prefix-cache"]},
+                "fails": {"label": "fails", "prefix_caching": True, "args": ["--fail-with", "400"]},
             },
             "workloads": {
                 "decode": {"contexts": [64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 2},
@@ -92,3 +93,13 @@ def test_duration_limit_stops_sessions_from_starting_new_requests(sandbox):
     # each request takes ~0.02 + 19 x 0.005 s: about 4 per session fit in 0.5 s, never the 50 allowed
     assert 2 <= len(measured) < 2 * 10
     assert measured["sent_s"].max() < 0.5
+
+
+def test_a_cell_whose_every_request_failed_writes_nothing(sandbox):
+    from servegrid.cell import CellError
+
+    experiment = calibration_experiment()
+    (cell,) = [c for c in experiment.cells("fails") if c.mode == "decode"]
+    with pytest.raises(CellError, match=r"all 4 measured requests failed; the first: HTTP 400"):
+        run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    assert not os.path.exists(cell.path)

@@ -44,6 +44,7 @@ class Script:
     prompt_tokens_offset: int = 0
     completion_tokens_offset: int = 0
     prefix_cache: bool = True
+    fail_with_status: int = 0  # answer every generation request with this HTTP status
     legacy_metric_names: bool = False
 
 
@@ -182,6 +183,10 @@ class CalibrationServer:
         self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
     ) -> web.StreamResponse:
         s = self.script
+        if s.fail_with_status and self.counters.requests > 0:  # the first (warm-up) request succeeds
+            self.counters.requests += 1
+            error = {"error": {"message": "calibration server told to fail", "code": s.fail_with_status}}
+            return web.json_response(error, status=s.fail_with_status)
         n_out = int(body.get("max_tokens") or 16)
         self.counters.requests += 1
         self.counters.running += 1
@@ -269,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens-offset", type=int, default=0, help="fault: misreport usage.prompt_tokens")
     parser.add_argument("--completion-tokens-offset", type=int, default=0, help="fault: misreport the output")
     parser.add_argument("--no-prefix-cache", action="store_true", help="fault: never report a cache hit")
+    parser.add_argument(
+        "--fail-with",
+        type=int,
+        default=0,
+        help="fault: answer every generation after the first (the warm-up) with this HTTP status",
+    )
     args, _vllm_flags = parser.parse_known_args(argv)
     script = Script(
         ttft_s=args.ttft,
@@ -278,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens_offset=args.prompt_tokens_offset,
         completion_tokens_offset=args.completion_tokens_offset,
         prefix_cache=not args.no_prefix_cache,
+        fail_with_status=args.fail_with,
     )
     app = CalibrationServer(script, model=args.served_model_name).app()
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)

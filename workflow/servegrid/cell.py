@@ -134,6 +134,13 @@ def run_cell(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
                 f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
             ) from exc
+    measured_records = [r for r in request_records if r.phase == "measured"]
+    if measured_records and all(r.error for r in measured_records):
+        # Nothing was measured: no file, so the cell stays stale and the failure is seen.
+        raise CellError(
+            f"cell {cell.id}: all {len(measured_records)} measured requests failed; "
+            f"the first: {measured_records[0].error}"
+        )
     meta = {
         "cell": asdict(cell) | {"id": cell.id},
         "settings": settings,
