@@ -197,3 +197,21 @@ def write_yaml(path: Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def leftovers(workdir: Path) -> list[int]:
+    """Live processes of every server process group that this workflow copy recorded.
+
+    vLLM renames its engine processes (VLLM::EngineCore), so they are found by
+    process group, which they share with the API server, not by command line.
+    """
+    import json
+
+    from servegrid import procs
+
+    alive = []
+    for record_path in (workdir / "results" / ".servegrid").glob("*.json"):
+        record = json.loads(record_path.read_text())
+        if "pgid" in record:
+            alive += [p.pid for p in procs.group_members(record["pgid"])]
+    return alive

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import os
 import re
+import time
 
 import pandas as pd
-import psutil
 import pytest
 import yaml
 
-from helpers import REPO, copy_workflow, snakemake, write_yaml
+from helpers import REPO, copy_workflow, leftovers, snakemake, write_yaml
 from servegrid.records import CELL_SCHEMA
 
 pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
@@ -25,22 +27,11 @@ def tiny_grid(demo_raw):  # type: ignore[no-untyped-def]
     return raw
 
 
-def servers_of(workdir) -> list[psutil.Process]:  # type: ignore[no-untyped-def]
-    """Live processes started from this workflow copy (vLLM keeps the model path in its command line)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if "vllm" in cmdline and str(workdir) in cmdline:
-            found.append(proc)
-    return found
-
-
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):  # type: ignore[no-untyped-def]
     workdir = copy_workflow(tmp_path_factory.mktemp("pipeline"))
     demo_raw = yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text())
     raw = tiny_grid(demo_raw)
-    raw["model"]["path"] = str(workdir / "results" / "model" / "tiny-qwen3")  # absolute: visible in ps
     write_yaml(workdir / "test.yaml", raw)
     result = snakemake(workdir, "--cores", "1", "report", "--configfile", "test.yaml")
     return workdir, result
@@ -52,7 +43,7 @@ def test_first_run_builds_everything(pipeline_run):
     for lang in ("pt", "hu"):
         for ext in ("html", "pdf"):
             assert (workdir / "results" / "report" / f"servegrid-{lang}.{ext}").stat().st_size > 10_000
-    assert servers_of(workdir) == []
+    assert leftovers(workdir) == []
 
 
 def test_parquet_tables_hold_exact_measured_requests_of_both_configurations(pipeline_run):
@@ -104,3 +95,121 @@ def test_second_run_does_nothing_and_starts_no_server(pipeline_run):
     assert again.returncode == 0
     assert set((workdir / "results" / "servers").glob("*/logs/*")) == logs_before
     assert not re.search(r"rule (cell|server_spec):", again.stdout + again.stderr)
+
+
+# ---- partial reruns: each edit plans exactly the cells it invalidated -------------------------------
+
+
+def plan(workdir, raw, name: str = "edit.yaml") -> tuple[dict[str, int], set[str]]:  # type: ignore[no-untyped-def]
+    """Dry run with ``raw`` as the config: job counts per rule and the planned cell files."""
+    write_yaml(workdir / name, raw)
+    result = snakemake(workdir, "-n", "--cores", "1", "report", "--configfile", name)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    counts: dict[str, int] = {}
+    if "Job stats:" in output:
+        for line in output.split("Job stats:")[1].split("\n\n")[0].splitlines():
+            match = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+            if match and match[1] != "total":
+                counts[match[1]] = int(match[2])
+    cells = set(re.findall(r"output: (results/cells/\S+\.parquet)", output))
+    return counts, cells
+
+
+def run(workdir, raw, name: str = "edit.yaml"):  # type: ignore[no-untyped-def]
+    write_yaml(workdir / name, raw)
+    result = snakemake(workdir, "--cores", "1", "report", "--configfile", name)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def server_logs(workdir) -> set:  # type: ignore[no-untyped-def]
+    return set((workdir / "results" / "servers").glob("*/logs/*[0-9a-f].log"))
+
+
+@pytest.fixture(scope="module")
+def baseline(pipeline_run):  # type: ignore[no-untyped-def]
+    """The config of the complete run; tests that run for real update it."""
+    workdir, _ = pipeline_run
+    return yaml.safe_load((workdir / "test.yaml").read_text())
+
+
+def test_operational_changes_rerun_nothing(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["operations"].update(request_timeout_s=77, log_level="DEBUG", port_range=[8300, 8399], startup_timeout_s=99)
+    raw["configurations"]["ngram"]["gpus"] = [3]
+    counts, cells = plan(workdir, raw)
+    assert counts == {} and cells == set()
+
+
+def test_adding_a_concurrency_level_plans_exactly_the_new_cells(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["workloads"]["decode"]["concurrency"] = [1, 2, 3]
+    counts, cells = plan(workdir, raw)
+    assert cells == {f"results/cells/{c}/decode/ctx256_c3.parquet" for c in ("prefix_cache", "ngram")}
+    assert counts["aggregate"] == 1 and counts["report_document"] == 2
+    assert "server_spec" not in counts
+
+
+def test_changing_one_mode_plans_only_that_modes_cells(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["workloads"]["single_turn"]["suffix_tokens"] = 48
+    _, cells = plan(workdir, raw)
+    assert cells == {f"results/cells/{c}/single_turn/ctx512_c2.parquet" for c in ("prefix_cache", "ngram")}
+
+
+def test_deleting_one_cell_reruns_only_that_cell(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    victim = workdir / "results/cells/prefix_cache/multi_turn/ctx256_c1.parquet"
+    kept = victim.read_bytes()
+    victim.unlink()
+    try:
+        counts, cells = plan(workdir, baseline)
+    finally:
+        victim.write_bytes(kept)
+        os.utime(victim, (time.time() - 3600, time.time() - 3600))  # as old as it was: nothing newer downstream
+    assert cells == {"results/cells/prefix_cache/multi_turn/ctx256_c1.parquet"}
+    assert counts["cell"] == 1 and counts["aggregate"] == 1 and counts["figures"] == 1
+
+
+def test_a_template_change_rebuilds_only_the_report(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    template = workdir / "report" / "templates" / "style.css"
+    template.write_text(template.read_text() + "\n/* edited */\n")
+    counts, cells = plan(workdir, baseline)
+    assert cells == set()
+    assert counts == {"report_document": 2, "report": 1}
+    run(workdir, baseline, "test.yaml")
+
+
+def test_changing_one_configurations_server_starts_only_that_server(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["configurations"]["ngram"]["args"] = ["--max-num-seqs", "16"]
+    counts, cells = plan(workdir, raw)
+    assert cells == {c for c in cells if "/ngram/" in c} and len(cells) == 4
+    assert counts["server_spec"] == 1
+    logs_before = server_logs(workdir)
+    run(workdir, raw)
+    started = server_logs(workdir) - logs_before
+    assert [p.parts[-3] for p in started] == ["ngram"]  # one new server, and not prefix_cache's
+    baseline.update(raw)
+
+
+def test_removing_a_grid_value_drops_its_cells_without_rerunning_anything(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["workloads"]["decode"]["concurrency"] = [1]
+    counts, cells = plan(workdir, raw)
+    assert cells == set() and "server_spec" not in counts
+    assert counts["aggregate"] == 1
+    logs_before = server_logs(workdir)
+    run(workdir, raw)
+    assert server_logs(workdir) == logs_before
+    summary = pd.read_parquet(workdir / "results" / "tables" / "summary.parquet")
+    assert not ((summary["mode"] == "decode") & (summary["concurrency"] == 2)).any()
+    assert len(summary) == 2 * 3
+    assert leftovers(workdir) == []
