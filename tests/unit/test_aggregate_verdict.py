@@ -15,7 +15,10 @@ from servegrid.config import Experiment
 def demo_grid(tmp_path, monkeypatch, demo_raw):
     """The demo grid with synthetic cells: ngram decodes faster, caching prefills faster."""
     monkeypatch.chdir(tmp_path)
-    experiment = Experiment(demo_raw)
+    raw = with_changes(demo_raw)
+    for mode, context in (("decode", 512), ("single_turn", 2048), ("multi_turn", 1024)):
+        raw["workloads"][mode].update(contexts=[context], concurrency=[1, 4])  # a fixed grid, whatever the demo's
+    experiment = Experiment(raw)
     timings = {
         ("prefix_cache", "decode"): {"ttft_s": 0.1, "interval_s": 0.005, "hit_rate": 0.0},
         ("ngram", "decode"): {"ttft_s": 0.1, "interval_s": 0.002, "tokens_per_chunk": 4},
