@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             level=args.log_level or experiment.operations["log_level"],
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         return int(args.func(experiment, args))
     except (ConfigError, server.ServerError, FileNotFoundError) as exc:
         print(f"servegrid: error: {exc}", file=sys.stderr)

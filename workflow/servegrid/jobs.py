@@ -29,6 +29,9 @@ def _setup_logging(smk: Any, experiment: Experiment | None = None) -> None:
         Path(smk.log[0]).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(smk.log[0], mode="w"))
     logging.basicConfig(level=level, handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per HTTP request would drown the job's own messages.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _run(smk: Any, body: Callable[[Experiment], None]) -> None:

@@ -287,6 +287,8 @@ def _pick_port(runtime: Runtime) -> int:
         if port in taken:
             continue
         with socket.socket(socket.AF_INET6 if ":" in runtime.host else socket.AF_INET) as probe:
+            # As uvicorn binds: a port in TIME_WAIT from the previous server is free to take.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((runtime.host, port))
             except OSError:
