@@ -63,16 +63,16 @@ def test_keep_going_past_a_broken_server_and_a_failed_cell(workdir):
     assert (cells / "prefix_cache" / "decode" / "ctx256_c1.parquet").exists()
     assert not (cells / "prefix_cache" / "decode" / "ctx9000_c1.parquet").exists()
     assert not list(cells.glob("broken/**/*.parquet"))
-    first_log = (workdir / "results/logs/cells/broken/decode/ctx256_c1.log").read_text()
-    second_log = (workdir / "results/logs/cells/broken/decode/ctx9000_c1.log").read_text()
-    assert "exited during start-up" in first_log
-    assert "unrecognized arguments: --no-such-flag" in first_log  # the server log's tail
-    assert "results/servers/broken/logs/" in first_log
-    seconds = float(re.search(r"after ([\d.]+) s\)", first_log)[1])
-    assert seconds < 60
-    assert "failed earlier in this run, not retried" in second_log
+    logs = [(workdir / f"results/logs/cells/broken/decode/ctx{c}_c1.log").read_text() for c in (256, 9000)]
+    for log in logs:  # whichever cell ran first started the server; the other did not retry
+        assert "exited during start-up" in log
+        assert "unrecognized arguments: --no-such-flag" in log  # the server log's tail
+        assert "results/servers/broken/logs/" in log
+    assert sum("failed earlier in this run, not retried" in log for log in logs) == 1
+    seconds = float(re.search(r"after ([\d.]+) s\)", logs[0])[1])
+    assert seconds < 60  # vLLM parses its arguments after importing torch: about 10 s here
     too_long_log = (workdir / "results/logs/cells/prefix_cache/decode/ctx9000_c1.log").read_text()
-    assert "all 1 measured requests failed; the first: HTTP 400" in too_long_log
+    assert re.search(r"all \d+ measured requests failed; the first: HTTP 400", too_long_log)
     assert "Error in rule cell" in output
     assert wait_for(lambda: not leftovers(workdir), 30)
 
@@ -90,7 +90,7 @@ def test_a_server_that_is_not_healthy_in_time_is_stopped(workdir):
 
 
 def long_running(workdir: Path) -> list[str]:
-    raw = demo_config(decode={"contexts": [256], "concurrency": [1], "output_tokens": 64, "requests_per_session": 500})
+    raw = demo_config(decode={"contexts": [256], "concurrency": [1], "output_tokens": 64, "requests_per_session": 80})
     raw["configurations"] = {"prefix_cache": raw["configurations"]["prefix_cache"]}
     write_yaml(workdir / "long.yaml", raw)
     return [sys.executable, "-m", "snakemake", "--cores", "1", "report", "--configfile", "long.yaml"]
@@ -114,15 +114,19 @@ def start_and_wait_for_measuring(workdir: Path) -> subprocess.Popen:
 )
 def test_no_server_outlives_snakemake(workdir, how, sig):
     proc = start_and_wait_for_measuring(workdir)
+    cell = workdir / "results/cells/prefix_cache/decode/ctx256_c1.parquet"
     try:
         if how == "ctrl-c":
             os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole foreground group
         else:
             os.kill(proc.pid, sig)  # only Snakemake itself
-        proc.wait(timeout=120)
-        # SIGKILL leaves no onerror handler: the supervisor must notice its owner is gone.
+        # SIGTERM is Snakemake's graceful stop: it lets the running cell finish (here ~40 s), then exits.
+        proc.wait(timeout=300)
+        # After kill -9 no handler runs in Snakemake: the supervisor must notice its owner is gone.
         assert wait_for(lambda: not leftovers(workdir), 45), f"server still running after {how}"
-        assert not (workdir / "results/cells/prefix_cache/decode/ctx256_c1.parquet").exists()
+        if how != "kill":
+            assert not cell.exists()  # interrupted: no file that looks complete
+        assert not list(cell.parent.glob(".*.partial"))  # and no half-written one either
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the orphaned cell job after kill -9
