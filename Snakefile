@@ -30,11 +30,15 @@ include: "workflow/rules/figures.smk"
 include: "workflow/rules/report.smk"
 
 
+# The target names every cell too: Snakemake does not rebuild a deleted
+# intermediate file while everything downstream of it is up to date, but it
+# does rebuild a missing input of the target, and then everything after it.
 rule report:
     default_target: True
     input:
         expand(paths.REPORT_HTML_PATTERN, lang=LANGUAGES),
         expand(paths.REPORT_PDF_PATTERN, lang=LANGUAGES),
+        all_cells(),
 
 
 onsuccess:
