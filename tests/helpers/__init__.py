@@ -65,6 +65,7 @@ def synthetic_cell(
     errors: int = 0,
     turns: int = 1,
     spread: float = 0.05,
+    interval_spread: float = 0.0,
     hit_rate: float | None = None,
     preemptions: float = 0.0,
     kv_usage_max: float = 0.1,
@@ -100,8 +101,9 @@ def synthetic_cell(
                 r.chunk_tokens.append(min(tokens_per_chunk, left))
                 left -= r.chunk_tokens[-1]
             r.chunk_ns = [first]
+            interval = interval_s * (1 + rng.uniform(-interval_spread, interval_spread))
             for tokens in r.chunk_tokens[1:]:
-                r.chunk_ns.append(r.chunk_ns[-1] + int(interval_s * tokens * 1e9))
+                r.chunk_ns.append(r.chunk_ns[-1] + int(interval * tokens * 1e9))
             r.end_ns = r.chunk_ns[-1] + 1000
             r.prompt_tokens_reported = context + (1 if i < mismatched else 0)
             r.output_tokens_reported = output_tokens
