@@ -10,6 +10,10 @@ rule aggregate:
         summary=paths.SUMMARY_TABLE,
         servers=paths.SERVERS_TABLE,
         comparisons=paths.COMPARISONS_TABLE,
+        verdict=paths.VERDICT_TABLE,
+        crossovers=paths.CROSSOVERS_TABLE,
+    params:
+        verdict_rules=canonical_json(EXPERIMENT.raw["verdict"]),
     log:
         "results/logs/aggregate.log",
     conda:

@@ -295,6 +295,8 @@ def aggregate(
     summary_out: str,
     servers_out: str,
     comparisons_out: str,
+    verdict_out: str | None = None,
+    crossovers_out: str | None = None,
 ) -> pd.DataFrame:
     from servegrid import verdict  # verdict builds on this module's definitions
 
@@ -302,12 +304,13 @@ def aggregate(
     derived = derive(df) if len(df) else df
     summary = summarize(derived, metas, experiment)
     comparisons = verdict.compare(summary, derived)
-    outputs = (
-        (derived, requests_out),
-        (summary, summary_out),
-        (servers(metas), servers_out),
-        (comparisons, comparisons_out),
-    )
+    rules = verdict.VerdictRules.from_config(experiment.raw["verdict"])
+    outputs = [(derived, requests_out), (summary, summary_out), (servers(metas), servers_out)]
+    outputs.append((comparisons, comparisons_out))
+    if verdict_out:
+        outputs.append((verdict.classify(comparisons, rules, experiment.roles()), verdict_out))
+    if crossovers_out:
+        outputs.append((verdict.crossovers(comparisons, experiment.roles(), rules), crossovers_out))
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
             frame.to_parquet(tmp, index=False)

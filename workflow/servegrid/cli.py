@@ -141,6 +141,8 @@ def cmd_aggregate(experiment: Experiment, args: argparse.Namespace) -> int:
         summary_out=paths.SUMMARY_TABLE,
         servers_out=paths.SERVERS_TABLE,
         comparisons_out=paths.COMPARISONS_TABLE,
+        verdict_out=paths.VERDICT_TABLE,
+        crossovers_out=paths.CROSSOVERS_TABLE,
     )
     print(f"{len(summary)} cells → {paths.SUMMARY_TABLE}")
     return 0

@@ -207,6 +207,17 @@ class Experiment:
             "sampling": self.raw["sampling"],
         }
 
+    def role(self, name: str) -> str:
+        """caching (prefix caching, no speculation), speculative (the reverse), both, or baseline."""
+        conf = self.configurations[name]
+        speculates = conf["speculative"] is not None
+        if conf["prefix_caching"]:
+            return "both" if speculates else "caching"
+        return "speculative" if speculates else "baseline"
+
+    def roles(self) -> dict[str, str]:
+        return {name: self.role(name) for name in self.configurations}
+
     def configuration_index(self, name: str) -> int:
         return list(self.configurations).index(name)
 

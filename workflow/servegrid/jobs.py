@@ -97,6 +97,8 @@ def aggregate(smk: Any) -> None:
             summary_out=smk.output.summary,
             servers_out=smk.output.servers,
             comparisons_out=smk.output.comparisons,
+            verdict_out=smk.output.verdict,
+            crossovers_out=smk.output.crossovers,
         )
 
     _run(smk, body)

@@ -11,11 +11,14 @@ figure then measures the pool, not the configuration.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
 from servegrid import stats
-from servegrid.aggregate import CELL_KEYS, PRIMARY
+from servegrid.aggregate import PRIMARY
 
 GROUP_KEYS = ["mode", "context", "concurrency"]
 
@@ -77,4 +80,151 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-__all__ = ["CELL_KEYS", "GROUP_KEYS", "compare", "primary_values"]
+# ---- the verdict engine: workload classes, each with a winner and a range --------------------
+
+
+@dataclass(frozen=True)
+class ClassRule:
+    """Which cell groups a workload class takes (all given conditions must hold)."""
+
+    id: str
+    mode: str | None = None
+    kv_limited: bool | None = None
+    min_context: int | None = None
+    max_context: int | None = None
+    min_concurrency: int | None = None
+    max_concurrency: int | None = None
+
+    def matches(self, group: dict[str, Any]) -> bool:
+        checks = (
+            self.mode is None or group["mode"] == self.mode,
+            self.kv_limited is None or bool(group["kv_limited"]) == self.kv_limited,
+            self.min_context is None or group["context"] >= self.min_context,
+            self.max_context is None or group["context"] <= self.max_context,
+            self.min_concurrency is None or group["concurrency"] >= self.min_concurrency,
+            self.max_concurrency is None or group["concurrency"] <= self.max_concurrency,
+        )
+        return all(checks)
+
+
+@dataclass(frozen=True)
+class VerdictRules:
+    """The engine's thresholds and classes: data from the config's ``verdict`` section."""
+
+    classes: tuple[ClassRule, ...]
+    min_factor: float = 1.05
+    range_style_ratio: float = 3.0
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any]) -> VerdictRules:
+        return cls(
+            classes=tuple(ClassRule(**c) for c in section["classes"]),
+            min_factor=section["min_factor"],
+            range_style_ratio=section["range_style_ratio"],
+        )
+
+
+def decisive(group: dict[str, Any], rules: VerdictRules) -> bool:
+    """A group that names a winner: not KV-limited, not a tie, and won by at least min_factor."""
+    return not group["kv_limited"] and not group["tie"] and group["factor"] >= rules.min_factor
+
+
+def classify(comparisons: pd.DataFrame, rules: VerdictRules, roles: dict[str, str]) -> pd.DataFrame:
+    """One row per workload class: its outcome, winner and the range of factors it won by.
+
+    Each group goes to the first class whose rule matches it. Outcomes:
+    ``win`` (one configuration wins every decisive group), ``mixed`` (it wins
+    most of them), ``tie`` (no decisive group), ``kv_limit`` (every group hit
+    the KV capacity: neither wins), ``no_data``.
+    """
+    groups = comparisons.to_dict("records") if len(comparisons) else []
+    assigned: dict[str, list[dict[str, Any]]] = {rule.id: [] for rule in rules.classes}
+    for group in groups:
+        for rule in rules.classes:
+            if rule.matches(group):
+                assigned[rule.id].append(group)
+                break
+    rows = []
+    for rule in rules.classes:
+        members = assigned[rule.id]
+        row: dict[str, Any] = {
+            "class_id": rule.id,
+            "modes": ",".join(sorted({g["mode"] for g in members})),
+            "n_groups": len(members),
+            "n_decisive": 0,
+            "outcome": "no_data",
+            "winner": None,
+            "winner_label": None,
+            "winner_role": None,
+            "wins": 0,
+            "factor_min": None,
+            "factor_max": None,
+            "factor_min_ci_low": None,
+            "factor_max_ci_high": None,
+            "range_style": None,
+            "min_context": min((g["context"] for g in members), default=None),
+            "min_concurrency": min((g["concurrency"] for g in members), default=None),
+        }
+        wins = [g for g in members if decisive(g, rules)]
+        row["n_decisive"] = len(wins)
+        if members and all(g["kv_limited"] for g in members):
+            row["outcome"] = "kv_limit"
+        elif members and not wins:
+            row["outcome"] = "tie"
+        elif wins:
+            counts: dict[str, int] = {}
+            for g in wins:
+                counts[g["winner"]] = counts.get(g["winner"], 0) + 1
+            winner = max(counts, key=lambda name: (counts[name], -list(counts).index(name)))
+            won = [g for g in wins if g["winner"] == winner]
+            lowest = min(won, key=lambda g: g["factor"])
+            highest = max(won, key=lambda g: g["factor"])
+            row.update(
+                outcome="win" if counts[winner] == len(wins) else "mixed",
+                winner=winner,
+                winner_label=won[0]["winner_label"],
+                winner_role=roles.get(winner, "other"),
+                wins=counts[winner],
+                factor_min=float(lowest["factor"]),
+                factor_max=float(highest["factor"]),
+                factor_min_ci_low=_none_if_nan(lowest.get("factor_ci_low")),
+                factor_max_ci_high=_none_if_nan(highest.get("factor_ci_high")),
+                range_style="up_to" if highest["factor"] / lowest["factor"] > rules.range_style_ratio else "range",
+            )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def crossovers(comparisons: pd.DataFrame, roles: dict[str, str], rules: VerdictRules) -> pd.DataFrame:
+    """Per mode: the smallest context × concurrency at which the caching configuration beats
+    the speculative one (by work asked for: context × concurrency), or none in this grid."""
+    caching = [name for name, role in roles.items() if role == "caching"]
+    speculative = [name for name, role in roles.items() if role == "speculative"]
+    rows = []
+    if not caching or not speculative or comparisons.empty:
+        return pd.DataFrame(rows, columns=["mode", "found", "context", "concurrency", "factor", "groups"])
+    for mode, groups in comparisons.groupby("mode", sort=False):
+        pairs = groups[groups["winner"].isin(caching + speculative) & groups["runner_up"].isin(caching + speculative)]
+        overtaken = [
+            g
+            for g in pairs.to_dict("records")
+            if g["winner"] in caching and g["runner_up"] in speculative and decisive(g, rules)
+        ]
+        first = min(overtaken, key=lambda g: (g["context"] * g["concurrency"], g["context"]), default=None)
+        rows.append(
+            {
+                "mode": mode,
+                "found": first is not None,
+                "context": first["context"] if first else None,
+                "concurrency": first["concurrency"] if first else None,
+                "factor": first["factor"] if first else None,
+                "groups": len(pairs),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _none_if_nan(value: Any) -> float | None:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    return float(value)
