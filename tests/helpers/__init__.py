@@ -90,6 +90,7 @@ def synthetic_cell(
                 prompt_tokens_requested=context,
                 output_tokens_requested=output_tokens,
             )
+            r.t0_ns = 1_000_000_000
             r.intended_send_ns = t
             r.sent_ns = t + 100_000
             first = r.sent_ns + int(ttft_s * (1 + rng.uniform(-spread, spread)) * 1e9)
@@ -158,7 +159,7 @@ def synthetic_cell(
             "gauges": {"samples": 3, "scrape_errors": 0, "kv_cache_usage_perc_max": kv_usage_max},
         },
     }
-    records.write_cell(path, recs, 1_000_000_000, meta)
+    records.write_cell(path, recs, meta)
 
 
 def copy_workflow(dest: Path) -> Path:

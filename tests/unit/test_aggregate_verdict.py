@@ -36,10 +36,12 @@ def demo_grid(tmp_path, monkeypatch, demo_raw):
 
 
 def run_aggregate(experiment, cells, tmp_path):
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("requests", "summary", "servers", "comparisons")}
+    names = ("requests", "summary", "servers", "comparisons", "verdict", "crossovers")
+    out = {k: str(tmp_path / f"{k}.parquet") for k in names}
     aggregate.aggregate(
-        experiment, cells, out["requests"], out["summary"], out["servers"], comparisons_out=out["comparisons"]
-    )
+        experiment, cells, out["requests"], out["summary"], out["servers"], out["comparisons"],
+        verdict_out=out["verdict"], crossovers_out=out["crossovers"],
+    )  # fmt: skip
     return {k: pd.read_parquet(v) for k, v in out.items()}
 
 

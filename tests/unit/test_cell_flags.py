@@ -103,3 +103,24 @@ def test_a_cell_whose_every_request_failed_writes_nothing(sandbox):
     with pytest.raises(CellError, match=r"all 4 measured requests failed; the first: HTTP 400"):
         run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     assert not os.path.exists(cell.path)
+
+
+def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
+    raw = calibration_experiment().raw
+    raw["workloads"] = {"single_turn": {"contexts": [256], "concurrency": [2], "suffix_tokens": 16, "output_tokens": 4,
+                                        "requests_per_session": 2, "repeats": 3}}  # fmt: skip
+    experiment = Experiment(raw)
+    (cell,) = experiment.cells("honest")
+    meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    table = pd.read_parquet(cell.path)
+    measured = table[table["phase"] == "measured"]
+    assert sorted(measured["repeat"].unique()) == [0, 1, 2]
+    assert len(measured) == 3 * 2 * 2 and measured["request_id"].is_unique
+    assert len(meta["repeats"]) == 3
+    # every repeat primes its own fresh prefix: each finds the prefix cached, none finds another's
+    assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] == pytest.approx(256 / 272)
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
+    aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
+    row = pd.read_parquet(out["s"]).iloc[0]
+    assert row["n_repeats"] == 3 and row["primary_n"] == 12
+    assert row["primary_p50_repeat_min"] <= row["primary_p50"] <= row["primary_p50_repeat_max"]

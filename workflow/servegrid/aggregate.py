@@ -113,9 +113,19 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     values = primary_rows[primary.column].to_numpy(dtype=float)
     row["primary_p50"] = stats.percentiles(values)["p50"]
     row["primary_ci_low"], row["primary_ci_high"] = stats.median_ci(values)
+    by_repeat = [
+        stats.percentiles(g[primary.column].to_numpy(dtype=float))["p50"] for _, g in primary_rows.groupby("repeat")
+    ]
+    by_repeat = [v for v in by_repeat if v is not None]
+    row["n_repeats"] = int(measured["repeat"].nunique()) if len(measured) else 0
+    row["primary_p50_repeat_min"] = min(by_repeat) if by_repeat else None
+    row["primary_p50_repeat_max"] = max(by_repeat) if by_repeat else None
     for column in ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s"):
-        for name, value in stats.percentiles(valid[column].to_numpy(dtype=float)).items():
+        values = valid[column].to_numpy(dtype=float)
+        for name, value in stats.percentiles(values).items():
             row[f"{column}_{name}"] = value
+        if column != "send_delay_s":
+            row[f"{column}_p50_ci_low"], row[f"{column}_p50_ci_high"] = stats.median_ci(values)
     itl = [per_token_itl(t, k) for t, k in zip(valid["chunk_times_s"], valid["chunk_tokens"], strict=True)]
     gaps = [np.diff(np.asarray(t, dtype=float)) for t in valid["chunk_times_s"] if len(t) > 1]
     for prefix, parts in (("itl_token_s", itl), ("chunk_gap_s", gaps)):

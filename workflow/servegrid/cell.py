@@ -47,12 +47,15 @@ def reset_prefix_cache(client: httpx.Client, url: str) -> str:
 
 async def _measure(
     settings: dict[str, Any], spec: dict[str, Any], facts: server.ServerFacts, operations: dict[str, Any]
-) -> tuple[list[RequestRecord], int, dict[str, Any]]:
+) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Run the cell's workload ``repeats`` times; each repeat starts from a clean cache with fresh prompts."""
     url, model = facts.url, spec["served_name"]
     headers = server.auth_headers(spec)
     concurrency = settings["concurrency"]
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     timeout = httpx.Timeout(operations["request_timeout_s"], connect=30.0)
+    all_records: list[RequestRecord] = []
+    repeats: list[dict[str, Any]] = []
     with httpx.Client(timeout=120.0, headers=headers) as sync_client:
 
         def tokenize(text: str) -> list[int]:
@@ -62,52 +65,69 @@ async def _measure(
             response.raise_for_status()
             return list(response.json()["tokens"])
 
-        builder = PromptBuilder(tokenize, settings["workload"]["seed"], corpus_tokens_needed(settings))
-        cache_state = reset_prefix_cache(sync_client, url)
+        corpus = PromptBuilder(tokenize, settings["workload"]["seed"], corpus_tokens_needed(settings))
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-            ctx = WorkloadContext(
-                mode=settings["mode"],
-                context=settings["context"],
-                concurrency=concurrency,
-                workload=settings["workload"],
-                temperature=settings["sampling"]["temperature"],
-                model=model,
-                streamer=Streamer(client, url),
-                builder=builder,
-                sync_client=sync_client,
-                url=url,
-            )
             sampler = metrics.GaugeSampler(client, url, model, operations["metrics_interval_s"])
-            state: dict[str, Any] = {}
+            for repeat in range(settings["workload"]["repeats"]):
+                cache_state = reset_prefix_cache(sync_client, url)
+                ctx = WorkloadContext(
+                    mode=settings["mode"],
+                    context=settings["context"],
+                    concurrency=concurrency,
+                    workload=settings["workload"],
+                    temperature=settings["sampling"]["temperature"],
+                    model=model,
+                    streamer=Streamer(client, url),
+                    builder=corpus.fresh(),
+                    sync_client=sync_client,
+                    url=url,
+                )
+                state: dict[str, Any] = {}
 
-            async def begin_measurement() -> None:
-                state["before"] = await metrics.scrape(client, url, model)
-                state["t0_ns"] = time.monotonic_ns()
-                sampler.start()
+                async def begin_measurement(state: dict[str, Any] = state) -> None:
+                    state["before"] = await metrics.scrape(client, url, model)
+                    state["t0_ns"] = time.monotonic_ns()
+                    state["first_sample"] = len(sampler.samples)
+                    sampler.start()
 
-            try:
-                await WORKLOADS[settings["mode"]](ctx, begin_measurement)
-            finally:
-                await sampler.stop()
-            t1_ns = time.monotonic_ns()
-            after = await metrics.scrape(client, url, model)
-    if "t0_ns" not in state:
-        raise CellError("the workload ended before its measured phase began")
-    counter_delta = metrics.delta(state["before"], after)
+                try:
+                    await WORKLOADS[settings["mode"]](ctx, begin_measurement)
+                finally:
+                    await sampler.stop()
+                t1_ns = time.monotonic_ns()
+                if "t0_ns" not in state:
+                    raise CellError("the workload ended before its measured phase began")
+                after = await metrics.scrape(client, url, model)
+                for record in ctx.records:
+                    record.repeat, record.t0_ns = repeat, state["t0_ns"]
+                all_records += ctx.records
+                repeats.append(
+                    {
+                        "repeat": repeat,
+                        "cache_state": cache_state,
+                        "duration_s": (t1_ns - state["t0_ns"]) / 1e9,
+                        "before": state["before"],
+                        "after": after,
+                        "delta": metrics.delta(state["before"], after),
+                        "gauge_samples": [
+                            {**s, "t": s["t"] - state["t0_ns"] / 1e9} for s in sampler.samples[state["first_sample"] :]
+                        ],
+                    }
+                )
+    counter_delta = metrics.sum_deltas([r["delta"] for r in repeats])
     server_metrics = {
-        "before": state["before"],
-        "after": after,
         "delta": counter_delta,
         "derived": metrics.derived(counter_delta),
         "gauges": sampler.summary(),
-        "gauge_samples": [{**s, "t": s["t"] - state["t0_ns"] / 1e9} for s in sampler.samples],
     }
     measured = {
         "server_metrics": server_metrics,
-        "duration_s": (t1_ns - state["t0_ns"]) / 1e9,
-        "cache_state": cache_state,
+        "repeats": repeats,
+        "duration_s": sum(r["duration_s"] for r in repeats),
+        # The weakest guarantee any repeat had.
+        "cache_state": "reset" if all(r["cache_state"] == "reset" for r in repeats) else "fresh content",
     }
-    return ctx.records, state["t0_ns"], measured
+    return all_records, measured
 
 
 def run_cell(
@@ -128,7 +148,7 @@ def run_cell(
         facts = server.ensure(spec, runtime, owner)
         log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
         try:
-            request_records, t0_ns, measured = asyncio.run(_measure(settings, spec, facts, experiment.operations))
+            request_records, measured = asyncio.run(_measure(settings, spec, facts, experiment.operations))
         except httpx.HTTPError as exc:
             raise CellError(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
@@ -150,5 +170,5 @@ def run_cell(
         "ended_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
         **measured,
     }
-    records.write_cell(out_path, request_records, t0_ns, meta)
+    records.write_cell(out_path, request_records, meta)
     return meta

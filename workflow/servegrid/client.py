@@ -57,7 +57,7 @@ class RequestRecord:
     request_id: str
     session: int
     seq: int
-    phase: str  # "warmup" or "measured"
+    phase: str  # "warmup", "probe" or "measured"
     turn: int
     prompt_tokens_requested: int
     output_tokens_requested: int
@@ -75,6 +75,8 @@ class RequestRecord:
     error: str | None = None
     text: str = ""
     messages: list[dict[str, str]] | None = None  # chat requests: what was sent
+    repeat: int = 0  # which repeat of the cell's workload
+    t0_ns: int = 0  # start of that repeat's measured phase
 
     @property
     def first_token_ns(self) -> int | None:

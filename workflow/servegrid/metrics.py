@@ -79,6 +79,15 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float 
     return {name: (after[name] - before.get(name, 0.0)) if name in after else None for name in COUNTERS}
 
 
+def sum_deltas(deltas: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Counter increases over several measured phases; None where the server never exposed one."""
+    out: dict[str, float | None] = {}
+    for name in COUNTERS:
+        values = [d[name] for d in deltas if d.get(name) is not None]
+        out[name] = sum(values) if values else None
+    return out
+
+
 def derived(counter_delta: dict[str, float | None]) -> dict[str, float | None]:
     """Hit rate and speculative-decoding figures from counter deltas."""
     queries = counter_delta.get("prefix_cache_queries")

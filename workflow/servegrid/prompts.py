@@ -12,6 +12,7 @@ have left a reusable prefix in the cache.
 
 from __future__ import annotations
 
+import copy
 import random
 import secrets
 from collections.abc import Callable, Sequence
@@ -33,6 +34,12 @@ class PromptBuilder:
         if len(ids) < 64:
             raise ValueError(f"the corpus tokenized to only {len(ids)} tokens")
         self.corpus = ids
+
+    def fresh(self) -> PromptBuilder:
+        """The same corpus under a new nonce: prompts no earlier use of this builder can have cached."""
+        clone = copy.copy(self)
+        clone.nonce = secrets.token_hex(4)
+        return clone
 
     def body(self, length: int, rng: random.Random) -> list[int]:
         """``length`` corpus tokens from a random offset, wrapping around."""

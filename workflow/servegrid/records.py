@@ -28,12 +28,13 @@ def _field(name: str, kind: pa.DataType, doc: str, nullable: bool = True) -> pa.
 CELL_SCHEMA = pa.schema(
     [
         _field("request_id", pa.string(), "unique within the cell", nullable=False),
+        _field("repeat", pa.int32(), "which repeat of the cell's workload (0-based)", nullable=False),
         _field("session", pa.int32(), "closed-loop session index, 0..concurrency-1", nullable=False),
         _field("seq", pa.int32(), "request (or conversation) index within the session", nullable=False),
         _field("turn", pa.int32(), "conversation turn, 1-based (1 outside multi_turn)", nullable=False),
         _field("phase", pa.string(), "measured | warmup | probe; only 'measured' enters figures", nullable=False),
         _field("intended_send_s", pa.float64(), "when the session wanted to send (previous reply's end), s since t0"),
-        _field("sent_s", pa.float64(), "when the request was handed to httpx, s since t0"),
+        _field("sent_s", pa.float64(), "when the request was handed to httpx, s since t0 (its repeat's)"),
         _field("end_s", pa.float64(), "when the stream closed, s since t0"),
         _field("chunk_times_s", pa.list_(pa.float64()), "arrival of each token-carrying SSE chunk, s after sent_s"),
         _field("chunk_tokens", pa.list_(pa.int32()), "tokens in each chunk (increase of usage.completion_tokens)"),
@@ -48,20 +49,21 @@ CELL_SCHEMA = pa.schema(
 )
 
 
-def rows(records: list[RequestRecord], t0_ns: int) -> dict[str, list[Any]]:
+def rows(records: list[RequestRecord]) -> dict[str, list[Any]]:
     def rel(ns: int | None, base: int) -> float | None:
         return None if ns is None or ns == 0 else (ns - base) / 1e9
 
     columns: dict[str, list[Any]] = {name: [] for name in CELL_SCHEMA.names}
     for r in records:
-        columns["request_id"].append(r.request_id)
+        columns["request_id"].append(f"r{r.repeat}-{r.request_id}")
+        columns["repeat"].append(r.repeat)
         columns["session"].append(r.session)
         columns["seq"].append(r.seq)
         columns["turn"].append(r.turn)
         columns["phase"].append(r.phase)
-        columns["intended_send_s"].append(rel(r.intended_send_ns, t0_ns))
-        columns["sent_s"].append(rel(r.sent_ns, t0_ns))
-        columns["end_s"].append(rel(r.end_ns, t0_ns))
+        columns["intended_send_s"].append(rel(r.intended_send_ns, r.t0_ns))
+        columns["sent_s"].append(rel(r.sent_ns, r.t0_ns))
+        columns["end_s"].append(rel(r.end_ns, r.t0_ns))
         columns["chunk_times_s"].append([(t - r.sent_ns) / 1e9 for t in r.chunk_ns])
         columns["chunk_tokens"].append(list(r.chunk_tokens))
         columns["prompt_tokens_requested"].append(r.prompt_tokens_requested)
@@ -74,10 +76,10 @@ def rows(records: list[RequestRecord], t0_ns: int) -> dict[str, list[Any]]:
     return columns
 
 
-def write_cell(path: Path | str, records: list[RequestRecord], t0_ns: int, meta: dict[str, Any]) -> None:
+def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, Any]) -> None:
     """Write the cell atomically: the file appears complete or not at all."""
     schema = CELL_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True, default=str).encode()})
-    table = pa.table(rows(records, t0_ns), schema=schema)
+    table = pa.table(rows(records), schema=schema)
     with atomic.atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
