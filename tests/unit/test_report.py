@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from babel.messages.extract import extract_from_dir
+from babel.messages.extract import extract_from_dir, extract_python
 from babel.messages.pofile import read_po
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
@@ -18,10 +18,12 @@ from servegrid.report import LOCALES, TEMPLATES
 def rendered(demo_grid, tmp_path):  # noqa: F811
     experiment, cells = demo_grid
     run_aggregate(experiment, cells, tmp_path)
-    figures_dir = tmp_path / "figures"
-    figures.draw_all(experiment, str(tmp_path / "summary.parquet"), figures_dir)
     out = {}
     for lang in ("pt", "hu"):
+        figures_dir = tmp_path / "figures" / lang
+        figures.draw_all(
+            experiment, str(tmp_path / "summary.parquet"), str(tmp_path / "comparisons.parquet"), figures_dir, lang
+        )
         html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
         report.render(
             experiment,
@@ -32,6 +34,8 @@ def rendered(demo_grid, tmp_path):  # noqa: F811
             figures_dir=figures_dir,
             html_out=str(html),
             pdf_out=str(pdf),
+            verdict_path=str(tmp_path / "verdict.parquet"),
+            crossovers_path=str(tmp_path / "crossovers.parquet"),
         )
         out[lang] = (html.read_text(encoding="utf-8"), pdf)
     return experiment, out
@@ -52,16 +56,26 @@ def test_both_languages_render_with_their_own_words_and_number_formats(rendered)
     assert not re.search(r"\d\.\d×", pt + hu)  # never a decimal point in a ratio
 
 
-def test_verdict_table_has_a_row_per_compared_group(rendered):
+def test_verdict_names_each_workload_class_and_every_group(rendered):
     _, out = rendered
-    for html, _pdf in out.values():
+    pt, hu = out["pt"][0], out["hu"][0]
+    for html in (pt, hu):
         verdict = html.split('id="verdict"')[1].split("</section>")[0]
-        assert verdict.count("<tr>") == 1 + 6  # header + 3 modes x 2 concurrencies
+        classes = verdict.split("<table")[1]
+        assert classes.count("<tr>") == 1 + 3  # header + decode, single-turn, multi-turn (no KV corner here)
+        groups = verdict.split('class="grid groups"')[1]
+        assert groups.count("<tr>") == 1 + 6  # header + 3 modes x 2 concurrencies
+    assert "Decode pesado, gerações longas, prompts frios" in pt
+    assert re.search(r"ngram speculation \(3 tokens\), no prefix caching \(2,5× decode", pt)
+    assert "passa à frente de" in pt  # the crossover line
+    assert "Konverzációs, multi-turn munkaterhelésnél" in hu  # the conclusion, generated from the verdict
+    assert re.search(r"akár \d+,\d× TTFT|\d+,\d–\d+,\d× TTFT|\d+,\d× TTFT", hu)
 
 
 def test_html_is_self_contained_with_every_figure(rendered):
     experiment, out = rendered
     expected = len(figures.figure_specs(experiment))
+    assert expected == 7
     for html, _pdf in out.values():
         assert html.count('src="data:image/png;base64,') == expected
         assert not re.search(r'(src|href)="(https?:)?//', html)
@@ -82,6 +96,11 @@ def test_catalogues_translate_every_template_message():
             str(TEMPLATES), method_map=[("**.j2", "jinja2")], options_map={"**.j2": {"extensions": "jinja2.ext.i18n"}}
         )
     }
+    with open(figures.__file__, "rb") as source:
+        extracted |= {
+            m[2] for m in extract_python(source, keywords={"_": None, "N_": None}, comment_tags=(), options={})
+        }
+    extracted.discard(None)  # _(variable): translated where the variable's message is marked
     assert len(extracted) > 40
     for lang in report.available_languages():
         with (LOCALES / lang / "LC_MESSAGES" / "messages.po").open("rb") as handle:

@@ -12,11 +12,11 @@ rule aggregate:
         comparisons=paths.COMPARISONS_TABLE,
         verdict=paths.VERDICT_TABLE,
         crossovers=paths.CROSSOVERS_TABLE,
-    params:
-        verdict_rules=canonical_json(EXPERIMENT.raw["verdict"]),
     log:
         "results/logs/aggregate.log",
     conda:
         "../../envs/pipeline.yaml"
+    params:
+        verdict_rules=canonical_json(EXPERIMENT.raw["verdict"]),
     script:
         "../scripts/aggregate.py"

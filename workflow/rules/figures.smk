@@ -1,13 +1,15 @@
-"""Summary table → figures (PNG for the HTML report, SVG for the PDF)."""
+"""Summary table → figures, per language (PNG for the HTML report, SVG for the PDF)."""
 
 
 rule figures:
     input:
         summary=paths.SUMMARY_TABLE,
+        comparisons=paths.COMPARISONS_TABLE,
+        catalogue="report/locales/{lang}/LC_MESSAGES/messages.po",
     output:
-        figure_paths(EXPERIMENT, paths.FIGURES_DIR),
+        figure_paths(EXPERIMENT, paths.FIGURES_DIR + "/{lang}"),
     log:
-        "results/logs/figures.log",
+        "results/logs/figures/{lang}.log",
     conda:
         "../../envs/pipeline.yaml"
     params:

@@ -6,7 +6,9 @@ rule report_document:
         summary=paths.SUMMARY_TABLE,
         comparisons=paths.COMPARISONS_TABLE,
         servers=paths.SERVERS_TABLE,
-        figures=figure_paths(EXPERIMENT, paths.FIGURES_DIR),
+        figures=figure_paths(EXPERIMENT, paths.FIGURES_DIR + "/{lang}"),
+        verdict=paths.VERDICT_TABLE,
+        crossovers=paths.CROSSOVERS_TABLE,
         templates=REPORT_TEMPLATES,
         catalogue="report/locales/{lang}/LC_MESSAGES/messages.po",
     output:

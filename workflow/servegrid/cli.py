@@ -151,8 +151,10 @@ def cmd_aggregate(experiment: Experiment, args: argparse.Namespace) -> int:
 def cmd_figures(experiment: Experiment, args: argparse.Namespace) -> int:
     from servegrid import figures
 
-    for path in figures.draw_all(experiment, paths.SUMMARY_TABLE, Path(paths.FIGURES_DIR)):
-        print(path)
+    for lang in experiment.languages:
+        out_dir = Path(paths.FIGURES_DIR) / lang
+        for path in figures.draw_all(experiment, paths.SUMMARY_TABLE, paths.COMPARISONS_TABLE, out_dir, lang):
+            print(path)
     return 0
 
 
@@ -167,8 +169,10 @@ def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
             lang,
             summary_path=paths.SUMMARY_TABLE,
             comparisons_path=paths.COMPARISONS_TABLE,
+            verdict_path=paths.VERDICT_TABLE,
+            crossovers_path=paths.CROSSOVERS_TABLE,
             servers_path=paths.SERVERS_TABLE,
-            figures_dir=Path(paths.FIGURES_DIR),
+            figures_dir=Path(paths.FIGURES_DIR) / lang,
             html_out=html,
             pdf_out=pdf,
         )

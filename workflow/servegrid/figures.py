@@ -1,12 +1,15 @@
-"""Figures (seaborn): one consistent colour per configuration, 95% CI bars.
+"""The report's figures (seaborn/matplotlib), drawn once per language.
 
-Each figure is written as PNG (for the HTML report) and SVG (vector, for the
-PDF). Which figures exist depends only on the enabled modes, so Snakemake
-knows the outputs before anything is measured.
+One colour per configuration throughout (seaborn's colour-blind palette, in
+config order); medians with their 95% bootstrap intervals as bands; numbers on
+the axes in the language's own format. Each figure is written as PNG (for the
+HTML report) and SVG (vector, for the PDF). Which figures exist depends only
+on the enabled modes, so Snakemake knows every output before anything runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,98 +21,255 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from babel.numbers import format_decimal
+from matplotlib.ticker import FixedLocator, FuncFormatter
 
 from servegrid import atomic
 from servegrid.config import Experiment
 
 FORMATS = ("png", "svg")
+Gettext = Callable[[str], str]
+
+
+def N_(message: str) -> str:
+    return message
 
 
 @dataclass(frozen=True)
 class FigureSpec:
     name: str
     mode: str
-    y_column: str
-    y_label: str  # English axis label; figures carry units and data, prose lives in the report
 
 
 FIGURES = (
-    FigureSpec("decode_tps", "decode", "primary_p50", "decode tokens/s per session (p50)"),
-    FigureSpec("single_turn_ttft", "single_turn", "primary_p50", "TTFT p50 (s)"),
-    FigureSpec("multi_turn_ttft", "multi_turn", "primary_p50", "turn-2 TTFT p50 (s)"),
+    FigureSpec("decode_tps", "decode"),
+    FigureSpec("single_turn_ttft", "single_turn"),
+    FigureSpec("single_turn_second_request", "single_turn"),
+    FigureSpec("multi_turn_ttft", "multi_turn"),
+    FigureSpec("multi_turn_wall", "multi_turn"),
+    FigureSpec("multi_turn_caching_zoom", "multi_turn"),
+    FigureSpec("ratio_heatmap", "*"),
 )
+
+CONTEXT_TITLE = {
+    "decode": N_("prompt of %(tokens)s tokens"),
+    "single_turn": N_("shared prefix of %(tokens)s tokens"),
+    "multi_turn": N_("base context of %(tokens)s tokens"),
+}
+MODE_TITLE = {"decode": N_("Decode"), "single_turn": N_("Single-turn"), "multi_turn": N_("Multi-turn")}
 
 
 def figure_specs(experiment: Experiment) -> list[FigureSpec]:
-    return [f for f in FIGURES if f.mode in experiment.modes()]
+    return [f for f in FIGURES if f.mode == "*" or f.mode in experiment.modes()]
 
 
 def figure_paths(experiment: Experiment, out_dir: str) -> list[str]:
     return [f"{out_dir}/{f.name}.{ext}" for f in figure_specs(experiment) for ext in FORMATS]
 
 
-def palette(experiment: Experiment) -> dict[str, tuple[float, float, float]]:
-    labels = [c["label"] for c in experiment.configurations.values()]
-    return dict(zip(labels, sns.color_palette("colorblind", len(labels)), strict=True))
+class Painter:
+    """Draws the figures of one language."""
 
+    def __init__(
+        self, experiment: Experiment, summary: pd.DataFrame, comparisons: pd.DataFrame, gettext: Gettext, locale: str
+    ) -> None:
+        self.experiment = experiment
+        self.summary = summary
+        self.comparisons = comparisons
+        self._ = gettext
+        self.locale = locale
+        labels = [c["label"] for c in experiment.configurations.values()]
+        self.colours = dict(zip(labels, sns.color_palette("colorblind", len(labels)), strict=True))
+        self.roles = experiment.roles()
 
-def _context_title(mode: str, context: int) -> str:
-    what = {"decode": "prompt", "single_turn": "shared prefix", "multi_turn": "base context"}[mode]
-    return f"{what} {context:,} tokens".replace(",", " ")
+    # ---- helpers -------------------------------------------------------------------
+    def number(self, value: float, digits: int | None = None) -> str:
+        if digits is None:
+            digits = 0 if abs(value) >= 100 or float(value).is_integer() else (1 if abs(value) >= 10 else 2)
+        return format_decimal(value, format="#,##0" + ("." + "0" * digits if digits else ""), locale=self.locale)
 
+    def _axes_numbers(self, ax: plt.Axes) -> None:
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
 
-def draw(spec: FigureSpec, summary: pd.DataFrame, experiment: Experiment, out_dir: Path) -> None:
-    data = summary[(summary["mode"] == spec.mode)].copy()
-    contexts = sorted(data["context"].unique()) if len(data) else [0]
-    colours = palette(experiment)
-    sns.set_theme(style="whitegrid", context="paper", font_scale=1.1)
-    fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts) + 1.5, 3.6), squeeze=False, sharey=False)
-    for ax, context in zip(axes[0], contexts, strict=True):
-        panel = data[data["context"] == context]
-        for label, rows in panel.groupby("label", sort=False):
-            rows = rows.sort_values("concurrency")
-            y = rows[spec.y_column].to_numpy(dtype=float)
-            low = rows["primary_ci_low"].to_numpy(dtype=float)
-            high = rows["primary_ci_high"].to_numpy(dtype=float)
-            err = np.vstack([np.where(np.isnan(low), 0, y - low), np.where(np.isnan(high), 0, high - y)])
-            ax.errorbar(
-                rows["concurrency"],
-                y,
-                yerr=err,
-                marker="o",
-                capsize=3,
-                label=label,
-                color=colours.get(label),
-            )
-            invalid = rows[~rows["valid"].astype(bool)]
-            if len(invalid):
-                ax.scatter(invalid["concurrency"], invalid[spec.y_column], marker="x", s=80, color="black", zorder=5)
+    def _concurrency_axis(self, ax: plt.Axes, values: list[int]) -> None:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(panel["concurrency"].unique()) if len(panel) else [1])
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_xlabel("concurrent sessions")
-        ax.set_ylabel(spec.y_label)
+        ax.xaxis.set_major_locator(FixedLocator(values or [1]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v, 0)))
+        ax.xaxis.set_minor_locator(FixedLocator([]))
+        ax.set_xlabel(self._("concurrent sessions"))
+
+    def _context_title(self, mode: str, context: int) -> str:
+        return self._(CONTEXT_TITLE[mode]) % {"tokens": self.number(context, 0)}
+
+    def _line(self, ax: plt.Axes, rows: pd.DataFrame, label: str, colour: object, marker: str = "o") -> None:
+        rows = rows.sort_values("concurrency")
+        x = rows["concurrency"].to_numpy(dtype=float)
+        y = rows["primary_p50"].to_numpy(dtype=float)
+        low = rows["primary_ci_low"].to_numpy(dtype=float)
+        high = rows["primary_ci_high"].to_numpy(dtype=float)
+        ax.plot(x, y, marker=marker, label=label, color=colour, linewidth=2)
+        band = ~np.isnan(low) & ~np.isnan(high)
+        if band.any():
+            ax.fill_between(x[band], low[band], high[band], color=colour, alpha=0.18, linewidth=0)
+        invalid = rows[~rows["valid"].astype(bool)]
+        if len(invalid):
+            ax.scatter(invalid["concurrency"], invalid["primary_p50"], marker="x", s=90, color="black", zorder=5)
+
+    def _legend(self, fig: plt.Figure, ax: plt.Axes) -> None:
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), frameon=False)
+
+    def _panels(self, n: int, height: float = 3.6) -> tuple[plt.Figure, list[plt.Axes]]:
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
+        fig, axes = plt.subplots(1, n, figsize=(max(6.0, 3.9 * n + 1.2), height), squeeze=False)
+        return fig, list(axes[0])
+
+    def _by_configuration(self, mode: str, ylabel: str) -> plt.Figure:
+        data = self.summary[self.summary["mode"] == mode]
+        contexts = sorted(data["context"].unique()) or [0]
+        fig, axes = self._panels(len(contexts))
+        for ax, context in zip(axes, contexts, strict=True):
+            panel = data[data["context"] == context]
+            for name, conf in self.experiment.configurations.items():
+                rows = panel[panel["configuration"] == name]
+                if len(rows):
+                    self._line(ax, rows, conf["label"], self.colours[conf["label"]])
+            self._concurrency_axis(ax, sorted(int(c) for c in panel["concurrency"].unique()))
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            self._axes_numbers(ax)
+            ax.set_title(self._context_title(mode, int(context)))
+        self._legend(fig, axes[0])
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        return fig
+
+    # ---- the figures ---------------------------------------------------------------------
+    def decode_tps(self) -> plt.Figure:
+        return self._by_configuration("decode", self._("decode tokens/s per session (p50)"))
+
+    def single_turn_ttft(self) -> plt.Figure:
+        return self._by_configuration("single_turn", self._("TTFT p50 (s)"))
+
+    def multi_turn_ttft(self) -> plt.Figure:
+        return self._by_configuration("multi_turn", self._("turn-2 TTFT p50 (s)"))
+
+    def single_turn_second_request(self) -> plt.Figure:
+        """First vs second request on a fresh prefix, per prefix length: cache hit vs re-prefill."""
+        data = self.summary[(self.summary["mode"] == "single_turn") & self.summary["probe_first_ttft_s"].notna()]
+        data = data.sort_values("concurrency").groupby(["configuration", "context"], sort=False).head(1)
+        contexts = sorted(data["context"].unique())
+        names = [n for n in self.experiment.configurations if n in set(data["configuration"])]
+        fig, (ax,) = self._panels(1)
+        width = 0.8 / max(1, 2 * len(names))
+        for i, name in enumerate(names):
+            label = self.experiment.configurations[name]["label"]
+            rows = data[data["configuration"] == name].set_index("context").reindex(contexts)
+            base = np.arange(len(contexts)) + (2 * i - len(names) + 0.5) * width
+            ax.bar(base, rows["probe_first_ttft_s"], width, color=self.colours[label], label=label)
+            ax.bar(base + width, rows["probe_second_ttft_s"], width, color=self.colours[label], alpha=0.45, hatch="//")
+            for x, value in zip(base + width, rows["probe_second_ttft_s"], strict=True):
+                if value == value:
+                    ax.annotate(self.number(value), (x, value), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(np.arange(len(contexts)))
+        ax.set_xticklabels([self.number(c, 0) for c in contexts])
+        ax.set_xlabel(self._("shared prefix (tokens): first request (solid), second request (hatched)"))
+        ax.set_ylabel(self._("TTFT (s)"))
+        self._axes_numbers(ax)
+        self._legend(fig, ax)
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        return fig
+
+    def _one_configuration(self, role: str, zoom: bool) -> plt.Figure:
+        data = self.summary[self.summary["mode"] == "multi_turn"]
+        names = [n for n, r in self.roles.items() if r == role] or list(self.experiment.configurations)[:1]
+        rows_all = data[data["configuration"].isin(names)]
+        contexts = sorted(rows_all["context"].unique())
+        shades = sns.color_palette("mako_r" if role == "speculative" else "crest", max(1, len(contexts)))
+        fig, (ax,) = self._panels(1, height=3.9)
+        for shade, context in zip(shades, contexts, strict=True):
+            rows = rows_all[rows_all["context"] == context]
+            self._line(ax, rows, self._context_title("multi_turn", int(context)), shade)
+            limited = rows[rows["kv_limited"].astype(bool)]
+            for _, point in limited.iterrows():
+                where = (point["concurrency"], point["primary_p50"])
+                ax.scatter(*where, s=160, facecolors="none", edgecolors="#b3261e", linewidths=2, zorder=6)
+                ax.annotate(
+                    self._("KV limit"), where, textcoords="offset points", xytext=(6, 6), color="#b3261e", fontsize=9
+                )
+        label = self.experiment.configurations[names[0]]["label"] if names else ""
+        ax.set_title(label)
+        self._concurrency_axis(ax, sorted(int(c) for c in rows_all["concurrency"].unique()))
+        ax.set_ylabel(self._("turn-2 TTFT p50 (s)"))
         ax.set_ylim(bottom=0)
-        if len(contexts) > 1 or spec.mode != "decode":
-            ax.set_title(_context_title(spec.mode, int(context)))
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, -0.02))
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    for ext in FORMATS:
-        with atomic.atomic_path(out_dir / f"{spec.name}.{ext}") as tmp:
-            fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=_deterministic_metadata(ext))
-    plt.close(fig)
+        if zoom and len(rows_all):
+            unlimited = rows_all[~rows_all["kv_limited"].astype(bool)]["primary_ci_high"].fillna(
+                rows_all["primary_p50"]
+            )
+            if len(unlimited) and unlimited.max() > 0:
+                ax.set_ylim(0, float(unlimited.max()) * 1.25)
+        self._axes_numbers(ax)
+        ax.legend(frameon=False, fontsize=8, loc="upper left")
+        fig.tight_layout()
+        return fig
+
+    def multi_turn_wall(self) -> plt.Figure:
+        """The speculative configuration alone: re-prefilling the whole history every turn."""
+        return self._one_configuration("speculative", zoom=False)
+
+    def multi_turn_caching_zoom(self) -> plt.Figure:
+        """The caching configuration alone, zoomed to show how flat it stays; KV-limited points marked."""
+        return self._one_configuration("caching", zoom=True)
+
+    def ratio_heatmap(self) -> plt.Figure:
+        """Per mode: how many times the winner beat the runner-up, over context × concurrency."""
+        comparisons = self.comparisons
+        modes = [m for m in self.experiment.modes() if len(comparisons) and (comparisons["mode"] == m).any()]
+        fig, axes = self._panels(max(1, len(modes)), height=3.4)
+        caching = {n for n, r in self.roles.items() if r == "caching"}
+        for ax, mode in zip(axes, modes or [None], strict=False):
+            if mode is None:
+                ax.axis("off")
+                continue
+            rows = comparisons[comparisons["mode"] == mode]
+            sign = [1 if winner in caching else -1 for winner in rows["winner"]]
+            signed = rows.assign(value=np.log2(rows["factor"].to_numpy(dtype=float)) * np.array(sign))
+            grid = signed.pivot(index="context", columns="concurrency", values="value").sort_index(ascending=False)
+            factors = rows.pivot(index="context", columns="concurrency", values="factor").reindex_like(grid)
+            annotations = factors.map(lambda f: "" if f != f else self.number(f, 1) + "×")
+            limit = max(1.0, float(np.nanmax(np.abs(grid.to_numpy()))) if grid.size else 1.0)
+            sns.heatmap(grid, ax=ax, cmap="RdBu_r", center=0, vmin=-limit, vmax=limit, annot=annotations, fmt="",
+                        cbar=False, linewidths=0.5, linecolor="white")  # fmt: skip
+            ax.set_title(self._(MODE_TITLE[mode]))
+            ax.set_xlabel(self._("concurrent sessions"))
+            ax.set_ylabel(self._("context (tokens)"))
+            ax.set_yticklabels([self.number(int(c), 0) for c in grid.index], rotation=0)
+        fig.text(0.5, 0.01, self._("red: the caching configuration wins; blue: the other one wins"), ha="center",
+                 fontsize=9)  # fmt: skip
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        return fig
+
+
+def draw_all(experiment: Experiment, summary_path: str, comparisons_path: str, out_dir: Path, lang: str) -> list[Path]:
+    from servegrid.report import load_catalog  # the report's catalogues carry the figures' words too
+
+    translations, locale = load_catalog(lang)
+    painter = Painter(
+        experiment, pd.read_parquet(summary_path), pd.read_parquet(comparisons_path), translations.gettext, str(locale)
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for spec in figure_specs(experiment):
+        fig = getattr(painter, spec.name)()
+        for ext in FORMATS:
+            target = out_dir / f"{spec.name}.{ext}"
+            with atomic.atomic_path(target) as tmp:
+                fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=_deterministic_metadata(ext))
+            written.append(target)
+        plt.close(fig)
+    return written
 
 
 def _deterministic_metadata(ext: str) -> dict[str, str | None]:
     # No creation dates in the files: the same data draws the same bytes.
     return {"Software": None} if ext == "png" else {"Date": None}
-
-
-def draw_all(experiment: Experiment, summary_path: str, out_dir: Path) -> list[Path]:
-    summary = pd.read_parquet(summary_path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for spec in figure_specs(experiment):
-        draw(spec, summary, experiment, out_dir)
-    return [Path(p) for p in figure_paths(experiment, str(out_dir))]

@@ -108,7 +108,7 @@ def figures(smk: Any) -> None:
     from servegrid import figures as fig
 
     def body(experiment: Experiment) -> None:
-        fig.draw_all(experiment, smk.input.summary, Path(smk.params.out_dir))
+        fig.draw_all(experiment, smk.input.summary, smk.input.comparisons, Path(smk.params.out_dir), smk.wildcards.lang)
 
     _run(smk, body)
 
@@ -122,6 +122,8 @@ def render_report(smk: Any) -> None:
             lang=smk.wildcards.lang,
             summary_path=smk.input.summary,
             comparisons_path=smk.input.comparisons,
+            verdict_path=smk.input.verdict,
+            crossovers_path=smk.input.crossovers,
             servers_path=smk.input.servers,
             figures_dir=Path(smk.params.figures_dir),
             html_out=smk.output.html,

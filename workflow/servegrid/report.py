@@ -26,7 +26,7 @@ import matplotlib
 import numpy as np
 import pandas as pd
 from babel import Locale
-from babel.dates import format_date
+from babel.dates import format_date, format_datetime
 from babel.messages.mofile import write_mo
 from babel.messages.pofile import read_po
 from babel.numbers import format_decimal
@@ -99,20 +99,63 @@ class Formatter:
             return "–"
         return f"{self.num(value * 100, 0)} %" if self.locale.language == "hu" else f"{self.num(value * 100, 0)}%"
 
-    def date(self, value: datetime) -> str:
-        return format_date(value, format="long", locale=self.locale)
+    def date(self, value: datetime | None) -> str:
+        return "–" if value is None else format_date(value, format="long", locale=self.locale)
+
+    def datetime(self, value: datetime | None) -> str:
+        return "–" if value is None else format_datetime(value, format="medium", locale=self.locale)
 
 
 class ReportData:
     """Everything the template shows, derived from the run's tables."""
 
     def __init__(
-        self, experiment: Experiment, summary: pd.DataFrame, comparisons: pd.DataFrame, servers: pd.DataFrame
+        self,
+        experiment: Experiment,
+        summary: pd.DataFrame,
+        comparisons: pd.DataFrame,
+        servers: pd.DataFrame,
+        verdict: pd.DataFrame | None = None,
+        crossovers: pd.DataFrame | None = None,
     ) -> None:
         self.experiment = experiment
         self.summary = summary
         self.comparisons = comparisons
         self.servers = servers
+        self.verdict = verdict if verdict is not None else pd.DataFrame()
+        self.crossovers = crossovers if crossovers is not None else pd.DataFrame()
+
+    @staticmethod
+    def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+        """Rows as dicts with NaN turned into None, so templates can test ``is none``."""
+        if frame.empty:
+            return []
+        return [{k: (None if _missing(v) else v) for k, v in _plain(row).items()} for row in frame.to_dict("records")]
+
+    def verdict_classes(self) -> list[dict[str, Any]]:
+        """The verdict table: classes that have data."""
+        return [row for row in self.records(self.verdict) if row["outcome"] != "no_data"]
+
+    def crossover_rows(self) -> list[dict[str, Any]]:
+        return self.records(self.crossovers)
+
+    def label(self, configuration: str | None) -> str:
+        if configuration is None or configuration not in self.experiment.configurations:
+            return configuration or ""
+        return self.experiment.configurations[configuration]["label"]
+
+    def role_label(self, role: str) -> str:
+        names = [n for n, r in self.experiment.roles().items() if r == role]
+        return self.label(names[0]) if names else ""
+
+    def cells(self) -> list[dict[str, Any]]:
+        return self.records(self.summary)
+
+    def run_dates(self) -> tuple[datetime | None, datetime | None]:
+        if self.summary.empty:
+            return None, None
+        starts = pd.to_datetime(self.summary["started_at"], utc=True, format="ISO8601")
+        return starts.min().to_pydatetime(), starts.max().to_pydatetime()
 
     def configurations(self) -> list[dict[str, Any]]:
         out = []
@@ -152,7 +195,7 @@ class ReportData:
         return rows
 
     def verdict_rows(self) -> list[dict[str, Any]]:
-        return self.comparisons.to_dict("records") if len(self.comparisons) else []
+        return self.records(self.comparisons)
 
     def invalid_cells(self) -> list[dict[str, Any]]:
         if self.summary.empty:
@@ -173,6 +216,10 @@ class ReportData:
         described = f"{row['host_cpu']} ({row['host_cpu_count']} CPU, {row['host_memory_gib']} GiB)"
         gpus = row.get("host_gpus") or ""
         return f"{described}; {gpus}" if gpus else described
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +273,7 @@ def environment(lang: str) -> tuple[jinja2.Environment, Formatter]:
         ms=fmt.ms,
         percent=fmt.percent,
         date=fmt.date,
+        datetime=fmt.datetime,
     )
     return env, fmt
 
@@ -265,11 +313,18 @@ def render(
     figures_dir: Path,
     html_out: str,
     pdf_out: str,
+    verdict_path: str | None = None,
+    crossovers_path: str | None = None,
 ) -> None:
     from weasyprint import HTML  # imported late: it is slow to import and only this step needs it
 
     data = ReportData(
-        experiment, pd.read_parquet(summary_path), pd.read_parquet(comparisons_path), pd.read_parquet(servers_path)
+        experiment,
+        pd.read_parquet(summary_path),
+        pd.read_parquet(comparisons_path),
+        pd.read_parquet(servers_path),
+        verdict=pd.read_parquet(verdict_path) if verdict_path else None,
+        crossovers=pd.read_parquet(crossovers_path) if crossovers_path else None,
     )
     prov = provenance(experiment)
     atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))
