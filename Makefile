@@ -11,9 +11,22 @@ VLLM_VENV := .venv-vllm
 VLLM_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean-results
+.PHONY: setup system-deps demo test lint clean-results
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
+
+# Debian packages the report tests read the report with: headless Chromium and poppler.
+system-deps:
+	@missing=""; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v pdftoppm >/dev/null || missing="$$missing poppler-utils"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then sudo=""; \
+		elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+		else echo "system-deps: need root to install:$$missing" >&2; exit 1; fi; \
+		echo "installing:$$missing"; \
+		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 $(VENV)/.installed: pyproject.toml envs/pipeline.lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +53,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/snakemake --lint --configfile config.yaml -n
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo -n
 
-test: setup lint
+test: setup system-deps lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean-results:

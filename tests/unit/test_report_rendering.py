@@ -1,0 +1,120 @@
+"""The report as a reader gets it: the HTML in headless Chromium, the PDF through poppler.
+
+Fails on images that do not load, fonts that are not embedded or that lack
+ő, ű, ã, ç, and tables that run over the page. Chromium and poppler-utils
+come from Debian's packages (`make system-deps`, part of `make test`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
+from test_report import rendered  # noqa: F401 - the fixture is reused
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+PROBE = """
+<script>
+window.addEventListener("load", async () => {
+  await document.fonts.ready;
+  const images = [...document.images].map(i => ({alt: i.alt, ok: i.complete && i.naturalWidth > 0}));
+  const tables = [...document.querySelectorAll("table")]
+    .filter(t => t.scrollWidth > t.parentElement.clientWidth + 1)
+    .map(t => t.className + ": " + t.scrollWidth + " > " + t.parentElement.clientWidth);
+  const out = document.createElement("pre");
+  out.id = "servegrid-probe";
+  out.textContent = JSON.stringify({
+    images, overflowing: tables,
+    page_wider_than_window: document.documentElement.scrollWidth > window.innerWidth,
+  });
+  document.body.appendChild(out);
+});
+</script>
+"""
+
+
+def need(tool: str | None, name: str) -> str:
+    if tool is None:
+        pytest.fail(f"{name} is not installed: run `make system-deps` (part of `make test`)")
+    return tool
+
+
+@pytest.mark.parametrize("lang", ["pt", "hu"])
+def test_html_in_headless_chromium(rendered, tmp_path, lang):  # noqa: F811
+    chromium = need(CHROMIUM, "chromium")
+    html = rendered[1][lang][0]
+    page = tmp_path / f"probe-{lang}.html"
+    page.write_text(html.replace("</body>", PROBE + "</body>"), encoding="utf-8")
+    dom = subprocess.run(
+        [
+            chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'chrome'}",
+            "--window-size=1280,900", "--virtual-time-budget=10000", "--dump-dom", page.as_uri(),
+        ],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    probe = json.loads(re.search(r'<pre id="servegrid-probe">(.*?)</pre>', dom, re.S)[1].replace("&quot;", '"'))
+    assert len(probe["images"]) == 7
+    assert all(image["ok"] for image in probe["images"]), probe["images"]
+    assert probe["overflowing"] == []
+    assert not probe["page_wider_than_window"]
+
+
+@pytest.mark.parametrize("lang", ["pt", "hu"])
+def test_pdf_through_poppler(rendered, tmp_path, lang):  # noqa: F811
+    pdftoppm = need(shutil.which("pdftoppm"), "pdftoppm (poppler-utils)")
+    pdf = Path(rendered[1][lang][1])
+    fonts = subprocess.run([need(shutil.which("pdffonts"), "pdffonts"), str(pdf)], capture_output=True, text=True,
+                           check=True).stdout.splitlines()[2:]  # fmt: skip
+    assert fonts and all(line.split()[-5] == "yes" for line in fonts), fonts  # every font embedded
+    assert any("Report-Sans" in line for line in fonts)  # the DejaVu Sans shipped with matplotlib
+    text = subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True, check=True).stdout
+    accented = {"pt": "ãçõéê", "hu": "őöéáú"}[lang]
+    assert all(ch in text for ch in accented), [ch for ch in accented if ch not in text]
+    subprocess.run([pdftoppm, "-r", "40", "-png", str(pdf), str(tmp_path / "page")], check=True, timeout=120)
+    pages = sorted(tmp_path.glob("page-*.png"))
+    assert len(pages) >= 5
+    for page in pages:
+        image = Image.open(page).convert("L")
+        width, height = image.size
+        margin = int(width * 12 / 210)  # the right margin is 14 mm of 210: 12 mm must stay blank
+        band = image.crop((width - margin, 0, width, height))
+        assert band.getextrema()[0] > 235, f"{page.name}: something runs into the right margin"
+        assert image.getextrema()[0] < 100, f"{page.name}: blank page"
+
+
+def test_weasyprint_loads_every_resource(demo_grid, tmp_path, caplog):  # noqa: F811
+    from servegrid import figures, report
+
+    experiment, cells = demo_grid
+    run_aggregate(experiment, cells, tmp_path)
+    figures_dir = tmp_path / "figures"
+    figures.draw_all(experiment, str(tmp_path / "summary.parquet"), str(tmp_path / "comparisons.parquet"),
+                     figures_dir, "pt")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="weasyprint"):
+        report.render(
+            experiment, "pt", summary_path=str(tmp_path / "summary.parquet"),
+            comparisons_path=str(tmp_path / "comparisons.parquet"), servers_path=str(tmp_path / "servers.parquet"),
+            figures_dir=figures_dir, html_out=str(tmp_path / "r.html"), pdf_out=str(tmp_path / "r.pdf"),
+            verdict_path=str(tmp_path / "verdict.parquet"), crossovers_path=str(tmp_path / "crossovers.parquet"),
+        )  # fmt: skip
+    problems = [r.getMessage() for r in caplog.records if r.name.startswith("weasyprint")]
+    assert not problems, problems
+
+
+def test_the_report_font_has_every_letter_both_languages_need():
+    import matplotlib
+    from fontTools.ttLib import TTFont
+
+    for name in ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf"):
+        font = TTFont(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / name)
+        cmap = font.getBestCmap()
+        assert all(ord(ch) in cmap for ch in "őŐűŰãÃçÇõáéíóúâêôàüö–×’“”„"), name
