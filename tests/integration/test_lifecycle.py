@@ -100,7 +100,13 @@ def start_and_wait_for_measuring(workdir: Path) -> subprocess.Popen:
     """Snakemake in its own session (as in a terminal), returned once a cell measures on a live server."""
     with open(workdir / "snakemake.out", "wb") as out:  # a file, not a pipe that could fill up and block
         proc = subprocess.Popen(
-            long_running(workdir), cwd=workdir, start_new_session=True, stdout=out, stderr=subprocess.STDOUT
+            long_running(workdir),
+            cwd=workdir,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            # As in a terminal: a test runner started in the background inherits SIGINT ignored.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     cell_log = workdir / "results/logs/cells/prefix_cache/decode/ctx256_c1.log"
     assert wait_for(lambda: cell_log.exists() and " on http://" in cell_log.read_text(), 600), "no cell started"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import time
 
 import pandas as pd
 import pytest
@@ -164,13 +163,13 @@ def test_changing_one_mode_plans_only_that_modes_cells(pipeline_run, baseline):
 def test_deleting_one_cell_reruns_only_that_cell(pipeline_run, baseline):
     workdir, _ = pipeline_run
     victim = workdir / "results/cells/prefix_cache/multi_turn/ctx256_c1.parquet"
-    kept = victim.read_bytes()
+    kept, stat = victim.read_bytes(), victim.stat()
     victim.unlink()
     try:
         counts, cells = plan(workdir, baseline)
     finally:
-        victim.write_bytes(kept)
-        os.utime(victim, (time.time() - 3600, time.time() - 3600))  # as old as it was: nothing newer downstream
+        victim.write_bytes(kept)  # put back exactly as it was, so that the next tests start from a complete run
+        os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert cells == {"results/cells/prefix_cache/multi_turn/ctx256_c1.parquet"}
     assert counts["cell"] == 1 and counts["aggregate"] == 1 and counts["figures"] == 1
 
