@@ -124,3 +124,62 @@ def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
     row = pd.read_parquet(out["s"]).iloc[0]
     assert row["n_repeats"] == 3 and row["primary_n"] == 12
     assert row["primary_p50_repeat_min"] <= row["primary_p50"] <= row["primary_p50_repeat_max"]
+
+
+def _decode_cell(sandbox, tmp_path, concurrency: int = 4):  # type: ignore[no-untyped-def]
+    raw = calibration_experiment().raw
+    raw["workloads"] = {"decode": {"contexts": [32], "concurrency": [concurrency], "output_tokens": 30,
+                                   "requests_per_session": 3}}  # fmt: skip
+    experiment = Experiment(raw)
+    (cell,) = experiment.cells("honest")
+    run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
+    aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
+    return pd.read_parquet(out["s"]).iloc[0], pd.read_parquet(out["r"])
+
+
+def test_a_calm_client_is_not_flagged(sandbox, tmp_path):
+    row, requests = _decode_cell(sandbox, tmp_path)
+    assert not bool(row["sends_slipped"]) and not bool(row["client_bottleneck"]), row["invalid_reasons"]
+    assert row["client_loop_lag_p99_s"] < 0.01 and 0 < row["client_cpu_fraction"] < 0.9
+    measured = requests[requests["phase"] == "measured"]
+    assert (measured["ttft_from_intended_s"] >= measured["ttft_s"]).all()
+
+
+def test_slipped_sends_are_flagged(sandbox, tmp_path, monkeypatch):
+    import asyncio
+
+    from servegrid.client import Streamer
+
+    original = Streamer.stream
+
+    async def late(self, path, payload, record):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.03)  # the client holds every request back for 30 ms
+        await original(self, path, payload, record)
+
+    monkeypatch.setattr(Streamer, "stream", late)
+    row, requests = _decode_cell(sandbox, tmp_path)
+    assert bool(row["sends_slipped"]) and not bool(row["valid"])
+    assert "sends slipped" in row["invalid_reasons"]
+    measured = requests[requests["phase"] == "measured"]
+    # Latency from the intended send shows the 30 ms the plain figure hides.
+    assert (measured["ttft_from_intended_s"] - measured["ttft_s"]).min() >= 0.029
+
+
+def test_an_overloaded_client_is_flagged(sandbox, tmp_path, monkeypatch):
+    import json as real_json
+    import time
+    import types
+
+    def slow_loads(data):  # type: ignore[no-untyped-def]
+        end = time.perf_counter() + 0.015  # 15 ms of CPU per SSE event: the loop falls behind
+        while time.perf_counter() < end:
+            pass
+        return real_json.loads(data)
+
+    slow_json = types.SimpleNamespace(loads=slow_loads, JSONDecodeError=real_json.JSONDecodeError)
+    monkeypatch.setattr("servegrid.client.json", slow_json)
+    row, _ = _decode_cell(sandbox, tmp_path)
+    assert bool(row["client_bottleneck"]) and not bool(row["valid"])
+    assert "the client was the bottleneck" in row["invalid_reasons"]
+    assert row["client_loop_lag_p99_s"] > 0.01

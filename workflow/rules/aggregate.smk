@@ -18,5 +18,6 @@ rule aggregate:
         "../../envs/pipeline.yaml"
     params:
         verdict_rules=canonical_json(EXPERIMENT.raw["verdict"]),
+        validity=canonical_json(EXPERIMENT.raw["validity"]),
     script:
         "../scripts/aggregate.py"

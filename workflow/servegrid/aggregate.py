@@ -41,6 +41,7 @@ PRIMARY: dict[str, Primary] = {
 }
 
 CELL_KEYS = ["configuration", "mode", "context", "concurrency"]
+PER_REQUEST = ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s", "ttft_from_intended_s", "e2e_from_intended_s")
 
 
 def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
@@ -69,6 +70,9 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     out["tpot_s"] = np.where(steps > 0, decode_time / steps, np.nan)
     out["decode_tps"] = np.where((steps > 0) & (decode_time > 0), steps / decode_time, np.nan)
     out["send_delay_s"] = out["sent_s"] - out["intended_send_s"]
+    # Latency as the user who wanted to send at the intended time saw it (no coordinated omission).
+    out["ttft_from_intended_s"] = out["ttft_s"] + out["send_delay_s"]
+    out["e2e_from_intended_s"] = out["e2e_s"] + out["send_delay_s"]
     out["tokens_per_chunk"] = [float(np.mean(t)) if t is not None and len(t) else np.nan for t in out["chunk_tokens"]]
     out["prompt_tokens_ok"] = out["prompt_tokens_reported"] == out["prompt_tokens_requested"]
     out["output_tokens_ok"] = out["output_tokens_reported"] == out["output_tokens_requested"]
@@ -120,11 +124,20 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["n_repeats"] = int(measured["repeat"].nunique()) if len(measured) else 0
     row["primary_p50_repeat_min"] = min(by_repeat) if by_repeat else None
     row["primary_p50_repeat_max"] = max(by_repeat) if by_repeat else None
-    for column in ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s"):
+    per_request = (
+        "ttft_s",
+        "tpot_s",
+        "e2e_s",
+        "decode_tps",
+        "send_delay_s",
+        "ttft_from_intended_s",
+        "e2e_from_intended_s",
+    )
+    for column in per_request:
         values = valid[column].to_numpy(dtype=float)
         for name, value in stats.percentiles(values).items():
             row[f"{column}_{name}"] = value
-        if column != "send_delay_s":
+        if column in ("ttft_s", "tpot_s", "e2e_s", "decode_tps"):
             row[f"{column}_p50_ci_low"], row[f"{column}_p50_ci_high"] = stats.median_ci(values)
     itl = [per_token_itl(t, k) for t, k in zip(valid["chunk_times_s"], valid["chunk_tokens"], strict=True)]
     gaps = [np.diff(np.asarray(t, dtype=float)) for t in valid["chunk_times_s"] if len(t) > 1]
@@ -166,9 +179,21 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["expected_hit_rate"] = expected_hit_rate(
         mode, bool(conf.get("prefix_caching")), meta["settings"], measured, row["block_size"]
     )
-    row["cache_contradiction"] = cache_contradicts(row["expected_hit_rate"], row["server_prefix_cache_hit_rate"])
+    validity = experiment.raw["validity"]
+    row["cache_contradiction"] = cache_contradicts(
+        row["expected_hit_rate"], row["server_prefix_cache_hit_rate"], validity
+    )
     row["peak_tokens_asked"] = peak_tokens_asked(measured, cell["concurrency"])
     row["kv_limited"] = kv_limited(row)
+    client = meta.get("client") or {}
+    row["client_loop_lag_p99_s"] = client.get("loop_lag_p99_s")
+    row["client_loop_lag_max_s"] = client.get("loop_lag_max_s")
+    row["client_cpu_fraction"] = client.get("cpu_fraction")
+    row["sends_slipped"] = bool((row["send_delay_s_p99"] or 0) > validity["max_send_delay_s"])
+    row["client_bottleneck"] = bool(
+        (row["client_loop_lag_p99_s"] or 0) > validity["max_loop_lag_s"]
+        or (row["client_cpu_fraction"] or 0) >= validity["max_client_cpu"]
+    )
     reasons = []
     if row["n_requests"] == 0:
         reasons.append("no measured requests")
@@ -178,9 +203,17 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         reasons.append(f"{row['n_token_mismatch']} token-count mismatches")
     if row["cache_contradiction"]:
         reasons.append(
-            f"prefix-cache hit rate {row['server_prefix_cache_hit_rate']:.2f} "
+            f"prefix-cache hit rate {row['server_prefix_cache_hit_rate'] or 0:.2f} "
             f"contradicts the expected {row['expected_hit_rate']:.2f}"
         )
+    if row["sends_slipped"]:
+        reasons.append(
+            f"sends slipped: p99 {row['send_delay_s_p99'] * 1e3:.1f} ms after they were due "
+            f"(limit {validity['max_send_delay_s'] * 1e3:.1f} ms)"
+        )
+    if row["client_bottleneck"]:
+        lag, cpu = row["client_loop_lag_p99_s"] or 0, row["client_cpu_fraction"] or 0
+        reasons.append(f"the client was the bottleneck: event-loop lag p99 {lag * 1e3:.1f} ms, CPU {cpu:.0%} of a core")
     row["invalid_reasons"] = "; ".join(reasons)
     row["valid"] = not reasons
     return row
@@ -214,13 +247,14 @@ def expected_hit_rate(
     return float(hits / total) if total else 0.0
 
 
-def cache_contradicts(expected: float, measured: float | None) -> bool:
+def cache_contradicts(expected: float, measured: float | None, validity: dict[str, float]) -> bool:
     """True when the measured hit rate says the cell did not measure what its mode means."""
+    floor = validity["max_unexpected_hit_rate"]
     if measured is None or (isinstance(measured, float) and np.isnan(measured)):
-        return expected > 0.05  # expected hits, but the server reports no prefix-cache traffic at all
-    if expected <= 0.05:
-        return measured > 0.05
-    return measured < 0.8 * expected
+        return expected > floor  # expected hits, but the server reports no prefix-cache traffic at all
+    if expected <= floor:
+        return measured > floor
+    return measured < validity["min_hit_rate_fraction"] * expected
 
 
 def peak_tokens_asked(measured: pd.DataFrame, concurrency: int) -> int | None:

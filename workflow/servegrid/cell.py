@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from servegrid import metrics, records, server
-from servegrid.client import RequestRecord, Streamer
+from servegrid.client import ClientMonitor, RequestRecord, Streamer
 from servegrid.config import Cell, Experiment
 from servegrid.prompts import PromptBuilder
 from servegrid.workloads import WORKLOADS, WorkloadContext
@@ -68,6 +68,7 @@ async def _measure(
         corpus = PromptBuilder(tokenize, settings["workload"]["seed"], corpus_tokens_needed(settings))
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
             sampler = metrics.GaugeSampler(client, url, model, operations["metrics_interval_s"])
+            monitor = ClientMonitor()
             for repeat in range(settings["workload"]["repeats"]):
                 cache_state = reset_prefix_cache(sync_client, url)
                 ctx = WorkloadContext(
@@ -89,10 +90,12 @@ async def _measure(
                     state["t0_ns"] = time.monotonic_ns()
                     state["first_sample"] = len(sampler.samples)
                     sampler.start()
+                    monitor.start()
 
                 try:
                     await WORKLOADS[settings["mode"]](ctx, begin_measurement)
                 finally:
+                    await monitor.stop()
                     await sampler.stop()
                 t1_ns = time.monotonic_ns()
                 if "t0_ns" not in state:
@@ -122,6 +125,7 @@ async def _measure(
     }
     measured = {
         "server_metrics": server_metrics,
+        "client": monitor.summary(),
         "repeats": repeats,
         "duration_s": sum(r["duration_s"] for r in repeats),
         # The weakest guarantee any repeat had.
