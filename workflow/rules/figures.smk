@@ -7,7 +7,7 @@ rule figures:
         comparisons=paths.COMPARISONS_TABLE,
         catalogue="report/locales/{lang}/LC_MESSAGES/messages.po",
     output:
-        figure_paths(EXPERIMENT, paths.FIGURES_DIR + "/{lang}"),
+        figure_paths(EXPERIMENT, paths.FIGURES_LANG_DIR),
     log:
         "results/logs/figures/{lang}.log",
     conda:

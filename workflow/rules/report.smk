@@ -6,7 +6,7 @@ rule report_document:
         summary=paths.SUMMARY_TABLE,
         comparisons=paths.COMPARISONS_TABLE,
         servers=paths.SERVERS_TABLE,
-        figures=figure_paths(EXPERIMENT, paths.FIGURES_DIR + "/{lang}"),
+        figures=figure_paths(EXPERIMENT, paths.FIGURES_LANG_DIR),
         verdict=paths.VERDICT_TABLE,
         crossovers=paths.CROSSOVERS_TABLE,
         templates=REPORT_TEMPLATES,

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from servegrid import text
+from servegrid import stats, text
 
 
 @dataclass
@@ -56,7 +56,8 @@ class Counters:
     prefix_queries: int = 0
     prefix_hits: int = 0
     running: int = 0
-    max_late_ns: int = 0
+    events: int = 0
+    late_ns: list[int] = field(default_factory=list)
     seen_blocks: set[int] = field(default_factory=set)
 
 
@@ -102,6 +103,7 @@ class CalibrationServer:
                 web.post("/detokenize", self.detokenize),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
+                web.get("/servegrid/stats", self.stats),
             ]
         )
         return app
@@ -109,6 +111,20 @@ class CalibrationServer:
     # ---- plain endpoints --------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def stats(self, _: web.Request) -> web.Response:
+        """How the server kept to its script: if it was late, the client's figures say nothing."""
+        late_ms = [ns / 1e6 for ns in self.counters.late_ns]
+        quantiles = stats.percentiles(late_ms, (50, 99))
+        return web.json_response(
+            {
+                "requests": self.counters.requests,
+                "events": self.counters.events,
+                "late_p50_ms": quantiles["p50"],
+                "late_p99_ms": quantiles["p99"],
+                "late_max_ms": max(late_ms) if late_ms else None,
+            }
+        )
 
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": "calibration"})
@@ -205,7 +221,8 @@ class CalibrationServer:
                 produced += take
                 sent = time.monotonic_ns()
                 late = max(0, sent - due)
-                self.counters.max_late_ns = max(self.counters.max_late_ns, late)
+                self.counters.late_ns.append(late)
+                self.counters.events += 1
                 words = " " + " ".join(self.rng.choice(text.WORDS) for _ in range(take))
                 choice = {"index": 0, "finish_reason": "length" if produced == n_out else None}
                 choice.update({"delta": {"content": words}} if chat else {"text": words})

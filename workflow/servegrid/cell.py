@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import metrics, records, server
 from servegrid.client import ClientMonitor, RequestRecord, Streamer
@@ -32,6 +33,15 @@ def corpus_tokens_needed(settings: dict[str, Any]) -> int:
     return min(max(longest + 512, 4096), 200_000)
 
 
+def run_loop(coroutine: Any) -> Any:
+    """Run on uvloop where it exists: less client CPU per SSE event (benchmarks/client_overhead.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
 def reset_prefix_cache(client: httpx.Client, url: str) -> str:
     """Empty the server's prefix cache if it lets us (vLLM with VLLM_SERVER_DEV_MODE=1).
 
@@ -45,12 +55,12 @@ def reset_prefix_cache(client: httpx.Client, url: str) -> str:
     return "fresh content"
 
 
-async def _measure(
-    settings: dict[str, Any], spec: dict[str, Any], facts: server.ServerFacts, operations: dict[str, Any]
+async def measure(
+    settings: dict[str, Any], url: str, model: str, operations: dict[str, Any], headers: dict[str, str] | None = None
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
-    """Run the cell's workload ``repeats`` times; each repeat starts from a clean cache with fresh prompts."""
-    url, model = facts.url, spec["served_name"]
-    headers = server.auth_headers(spec)
+    """Run a cell's workload against the server at ``url``, ``repeats`` times, each from a clean
+    cache with fresh prompts. ``settings`` is :meth:`Experiment.cell_settings`' shape."""
+    headers = headers or {}
     concurrency = settings["concurrency"]
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     timeout = httpx.Timeout(operations["request_timeout_s"], connect=30.0)
@@ -66,7 +76,9 @@ async def _measure(
             return list(response.json()["tokens"])
 
         corpus = PromptBuilder(tokenize, settings["workload"]["seed"], corpus_tokens_needed(settings))
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        # httpx's API over aiohttp's transport: the default (httpcore) transport saturated one core at about
+        # 4,000 SSE events/s, aiohttp's at about 20,000 (benchmarks/client_overhead.py measures both).
+        async with HttpxAiohttpClient(limits=limits, timeout=timeout, headers=headers) as client:
             sampler = metrics.GaugeSampler(client, url, model, operations["metrics_interval_s"])
             monitor = ClientMonitor()
             for repeat in range(settings["workload"]["repeats"]):
@@ -152,7 +164,9 @@ def run_cell(
         facts = server.ensure(spec, runtime, owner)
         log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
         try:
-            request_records, measured = asyncio.run(_measure(settings, spec, facts, experiment.operations))
+            request_records, measured = run_loop(
+                measure(settings, facts.url, spec["served_name"], experiment.operations, server.auth_headers(spec))
+            )
         except httpx.HTTPError as exc:
             raise CellError(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 import psutil
 
@@ -140,7 +141,7 @@ class Streamer:
                             if "servegrid_sent_ns" in event:
                                 record.chunk_server_ns.append(event["servegrid_sent_ns"])
                 record.end_ns = time.monotonic_ns()
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, aiohttp.ClientError, TimeoutError) as exc:  # aiohttp's, when it is the transport
             record.end_ns = time.monotonic_ns()
             record.error = f"{type(exc).__name__}: {exc}"[:1000]
         except json.JSONDecodeError as exc:

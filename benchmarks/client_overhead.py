@@ -1,0 +1,164 @@
+"""What the servegrid client adds to every latency it measures, and how much it can take.
+
+The calibration server (servegrid.calibration, loopback, pinned to CPU 0)
+streams on a fixed schedule and stamps every SSE event with the monotonic time
+it wrote it. servegrid's own client path (httpx + servegrid.client.Streamer,
+the code every cell uses), pinned to CPU 1, stamps each event when its bytes
+arrive. Per event, client-added latency = arrival stamp − write stamp; both
+come from CLOCK_MONOTONIC, which is system-wide on Linux.
+
+    .venv/bin/python benchmarks/client_overhead.py [--streams 1 16 64 256 512] [--out benchmarks/out]
+
+Prints a table and writes client_overhead.json. Targets (issue 6): at 256
+streams, added latency p99 <= 2 ms and >= 20,000 SSE events/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+
+from servegrid import hostinfo
+from servegrid.client import ClientMonitor, RequestRecord, Streamer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(port: int, ttft: float, interval: float, cpu: int | None) -> subprocess.Popen:
+    preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servegrid.calibration", "--port", str(port), "--ttft", str(ttft),
+         "--interval", str(interval)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=preexec,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the calibration server did not start")
+
+
+async def run_level(
+    url: str, streams: int, requests_per_stream: int, tokens: int, client_class: type = httpx.AsyncClient
+) -> dict:
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with client_class(limits=limits, timeout=120) as client:
+        streamer = Streamer(client, url)
+        records: list[RequestRecord] = []
+        monitor = ClientMonitor()
+
+        async def stream_loop(s: int) -> None:
+            for r in range(requests_per_stream):
+                record = RequestRecord(f"s{s}r{r}", s, r, "measured", 1, 8, tokens)
+                records.append(record)
+                payload = {"model": "calibration", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": tokens}
+                await streamer.stream("/v1/completions", payload, record)
+
+        cpu0 = sum(psutil.Process().cpu_times()[:2])
+        wall0 = time.monotonic()
+        monitor.start()
+        await asyncio.gather(*(stream_loop(s) for s in range(streams)))
+        await monitor.stop()
+        wall = time.monotonic() - wall0
+        cpu = sum(psutil.Process().cpu_times()[:2]) - cpu0
+        server_stats = (await client.get(f"{url}/servegrid/stats")).json()
+    failed = [r for r in records if r.error]
+    added = np.array([(rx - tx) / 1e6 for r in records for rx, tx in zip(r.chunk_ns, r.chunk_server_ns, strict=True)])
+    first = np.array([(r.chunk_ns[0] - r.chunk_server_ns[0]) / 1e6 for r in records if r.chunk_ns])
+    events = int(sum(len(r.chunk_ns) for r in records))
+    return {
+        "streams": streams,
+        "requests": len(records),
+        "failed": len(failed),
+        "events": events,
+        "wall_s": wall,
+        "events_per_s": events / wall,
+        "tokens_per_s": sum(sum(r.chunk_tokens) for r in records) / wall,
+        "added_ttft_ms_p50": float(np.percentile(first, 50)),
+        "added_ttft_ms_p99": float(np.percentile(first, 99)),
+        "added_per_token_ms_p50": float(np.percentile(added, 50)),
+        "added_per_token_ms_p99": float(np.percentile(added, 99)),
+        "added_per_token_ms_max": float(added.max()),
+        "client_cpu_fraction": cpu / wall,
+        "client_loop_lag_p99_ms": (monitor.summary()["loop_lag_p99_s"] or 0) * 1e3,
+        "server_late_p99_ms": server_stats["late_p99_ms"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256, 512])
+    parser.add_argument("--tokens", type=int, default=100, help="tokens (one per SSE event) per request")
+    parser.add_argument("--requests-per-stream", type=int, default=3)
+    parser.add_argument("--interval", type=float, default=0.01, help="server pacing per event, s")
+    parser.add_argument("--ttft", type=float, default=0.05)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
+    args = parser.parse_args()
+
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
+    port = free_port()
+    server = start_server(port, args.ttft, args.interval, server_cpu)
+    try:
+        if client_cpu is not None:
+            os.sched_setaffinity(0, {client_cpu})
+        rows = []
+        for streams in args.streams:
+            row = asyncio.run(run_level(f"http://127.0.0.1:{port}", streams, args.requests_per_stream, args.tokens))
+            rows.append(row)
+            print(
+                f"{streams:>5} streams  {row['events_per_s']:>9,.0f} events/s  {row['tokens_per_s']:>9,.0f} tok/s  "
+                f"added TTFT p50/p99 {row['added_ttft_ms_p50']:6.2f}/{row['added_ttft_ms_p99']:6.2f} ms  "
+                f"per token p50/p99 {row['added_per_token_ms_p50']:6.2f}/{row['added_per_token_ms_p99']:6.2f} ms  "
+                f"client CPU {row['client_cpu_fraction']:4.0%}  loop lag p99 {row['client_loop_lag_p99_ms']:6.2f} ms  "
+                f"server late p99 {row['server_late_p99_ms'] or 0:6.2f} ms  failed {row['failed']}",
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        server.wait(10)
+    result = {
+        "machine": {"cpus": len(cpus), "server_cpu": server_cpu, "client_cpu": client_cpu,
+                    "cpu_model": hostinfo.cpu_model()},
+        "script": {"interval_s": args.interval, "ttft_s": args.ttft, "tokens": args.tokens,
+                   "requests_per_stream": args.requests_per_stream},
+        "levels": rows,
+    }  # fmt: skip
+    at_256 = next((r for r in rows if r["streams"] == 256), None)
+    if at_256:
+        result["targets_at_256"] = {
+            "added_p99_ms": at_256["added_per_token_ms_p99"],
+            "added_p99_within_2ms": at_256["added_per_token_ms_p99"] <= 2.0,
+            "events_per_s": at_256["events_per_s"],
+            "events_per_s_at_least_20000": at_256["events_per_s"] >= 20_000,
+        }
+        print(f"targets at 256 streams: {json.dumps(result['targets_at_256'])}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "client_overhead.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out / 'client_overhead.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
