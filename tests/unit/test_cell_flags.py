@@ -167,18 +167,19 @@ def test_slipped_sends_are_flagged(sandbox, tmp_path, monkeypatch):
 
 
 def test_an_overloaded_client_is_flagged(sandbox, tmp_path, monkeypatch):
-    import json as real_json
     import time
     import types
+
+    import orjson
 
     def slow_loads(data):  # type: ignore[no-untyped-def]
         end = time.perf_counter() + 0.015  # 15 ms of CPU per SSE event: the loop falls behind
         while time.perf_counter() < end:
             pass
-        return real_json.loads(data)
+        return orjson.loads(data)
 
-    slow_json = types.SimpleNamespace(loads=slow_loads, JSONDecodeError=real_json.JSONDecodeError)
-    monkeypatch.setattr("servegrid.client.json", slow_json)
+    slow_json = types.SimpleNamespace(loads=slow_loads, JSONDecodeError=orjson.JSONDecodeError)
+    monkeypatch.setattr("servegrid.client.orjson", slow_json)
     row, _ = _decode_cell(sandbox, tmp_path)
     assert bool(row["client_bottleneck"]) and not bool(row["valid"])
     assert "the client was the bottleneck" in row["invalid_reasons"]

@@ -76,6 +76,11 @@ def rows(records: list[RequestRecord]) -> dict[str, list[Any]]:
     return columns
 
 
+def to_frame(records: list[RequestRecord]):  # type: ignore[no-untyped-def]
+    """Records as the cell file would hold them, as a pandas DataFrame."""
+    return pa.table(rows(records), schema=CELL_SCHEMA).to_pandas()
+
+
 def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, Any]) -> None:
     """Write the cell atomically: the file appears complete or not at all."""
     schema = CELL_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True, default=str).encode()})
