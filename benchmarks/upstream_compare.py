@@ -1,20 +1,32 @@
-"""servegrid's client side by side with `vllm bench serve`, against the same vLLM CPU server.
+"""servegrid's client side by side with `vllm bench serve`, on the same vLLM CPU server.
 
 For each configuration of the CPU demo (prefix caching; ngram speculation) one
-real vLLM server is started; then, interleaved and repeated, both clients run
-the same workload: random 1024-token prompts, exactly 128 output tokens
-(ignore_eos), temperature 0, at concurrency 1 and 4. Reported: TTFT p50 and
-TPOT p50 of each client and their ratio (servegrid / upstream), plus
-servegrid's per-token ITL next to upstream's per-chunk "ITL".
+real vLLM server is started. Then, in rounds, both clients send the very same
+requests: a fresh set of random 1024-token prompts per round (built with
+servegrid's prompt builder, given to upstream as a custom dataset), exactly 128
+output tokens (ignore_eos, min_tokens; upstream gets servegrid's extra request
+fields through --extra-body), temperature 0, closed loop at concurrency 1 and 4.
+Before each client's turn the server's prefix cache is emptied and one
+unmeasured request warms it up; which client goes first alternates by round.
+Both clients are pinned to the same core, away from the one vLLM binds its
+engine to, so that neither slows the engine down for the other.
 
-    .venv/bin/python benchmarks/upstream_compare.py [--rounds 3] [--requests 8] [--out benchmarks/out]
+Reported per configuration and concurrency: TTFT p50 and TPOT p50 of each
+client and their ratio (servegrid / upstream) with a 95% bootstrap interval,
+and servegrid's per-token ITL beside the per-chunk gaps that upstream calls
+ITL.
 
-Target (issue 6): ratios within ±3% on TTFT and TPOT.
+    .venv/bin/python benchmarks/upstream_compare.py [--rounds 4] [--requests 16] [--out benchmarks/out]
+
+Target (issue 6): within ±3% on TTFT and TPOT. The script also prints each
+client against itself (even rounds over odd rounds): the noise floor below
+which no comparison on this server can resolve a difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -22,15 +34,20 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import yaml
 
-from servegrid import aggregate, model, procs, records, server
-from servegrid.cell import measure, run_loop
+from servegrid import aggregate, model, procs, records, server, stats
+from servegrid.cell import reset_prefix_cache, run_loop
+from servegrid.client import RequestRecord, Streamer
 from servegrid.config import Experiment
+from servegrid.prompts import PromptBuilder
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+PROMPT_TOKENS, OUTPUT_TOKENS = 1024, 128
+EXTRA_BODY = {"min_tokens": OUTPUT_TOKENS, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 def experiment(out: Path) -> Experiment:
@@ -41,19 +58,60 @@ def experiment(out: Path) -> Experiment:
     return Experiment(raw, source="upstream_compare")
 
 
-def servegrid_run(facts: server.ServerFacts, served: str, concurrency: int, requests: int) -> dict[str, list[float]]:
-    settings = {
-        "mode": "decode",
-        "context": 1024,
-        "concurrency": concurrency,
-        "sampling": {"temperature": 0.0},
-        "workload": {"output_tokens": 128, "requests_per_session": max(1, requests // concurrency),
-                     "warmup_requests": 1, "seed": 7, "repeats": 1, "duration_s": None},
-    }  # fmt: skip
-    operations = {"request_timeout_s": 600, "metrics_interval_s": 1.0}
-    rows, _meta = run_loop(measure(settings, facts.url, served, operations))
-    frame = aggregate.derive(records.to_frame(rows))
-    frame = frame[(frame["phase"] == "measured") & frame["valid"]]
+def client_core() -> set[int]:
+    """vLLM's CPU backend binds its engine to the first CPU; both clients use the last one."""
+    return {sorted(os.sched_getaffinity(0))[-1]}
+
+
+def pin_to_client_core() -> None:
+    os.sched_setaffinity(0, client_core())
+
+
+def prompt_texts(url: str, served: str, count: int, label: str) -> list[str]:
+    """``count`` cold prompts of 1024 tokens as text (what both clients send)."""
+    with httpx.Client(timeout=60) as client:
+
+        def tokenize(text: str) -> list[int]:
+            reply = client.post(f"{url}/tokenize", json={"model": served, "prompt": text, "add_special_tokens": False})
+            return list(reply.json()["tokens"])
+
+        builder = PromptBuilder(tokenize, seed=11, corpus_tokens=8192)
+        ids = [builder.unique(PROMPT_TOKENS, f"{label} {i}") for i in range(count)]
+        return [client.post(f"{url}/detokenize", json={"model": served, "tokens": t}).json()["prompt"] for t in ids]
+
+
+def warm_and_reset(url: str, served: str, label: str) -> None:
+    with httpx.Client(timeout=300) as client:
+        reset_prefix_cache(client, url)
+        text = prompt_texts(url, served, 1, f"warm {label}")[0]
+        client.post(f"{url}/v1/completions", json={"model": served, "prompt": text, "max_tokens": 8}).raise_for_status()
+
+
+async def servegrid_client(url: str, served: str, prompts: list[str], concurrency: int) -> list[RequestRecord]:
+    """Closed loop, as servegrid's decode cells run: session s sends prompts s, s+c, s+2c, ..."""
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    from httpx_aiohttp import HttpxAiohttpClient
+
+    async with HttpxAiohttpClient(limits=limits, timeout=600) as client:
+        streamer = Streamer(client, url)
+        done: list[RequestRecord] = []
+
+        async def session(s: int) -> None:
+            for i in range(s, len(prompts), concurrency):
+                record = RequestRecord(f"p{i}", s, i, "measured", 1, PROMPT_TOKENS, OUTPUT_TOKENS)
+                record.intended_send_ns = record.t0_ns = time.monotonic_ns()
+                payload = {"model": served, "prompt": prompts[i], "max_tokens": OUTPUT_TOKENS,
+                           "min_tokens": OUTPUT_TOKENS, "ignore_eos": True, "temperature": 0}  # fmt: skip
+                await streamer.stream("/v1/completions", payload, record)
+                done.append(record)
+
+        await asyncio.gather(*(session(s) for s in range(concurrency)))
+    return done
+
+
+def servegrid_run(url: str, served: str, prompts: list[str], concurrency: int) -> dict[str, list[float]]:
+    frame = aggregate.derive(records.to_frame(run_loop(servegrid_client(url, served, prompts, concurrency))))
+    frame = frame[frame["error"].isna()]
     itl = [aggregate.per_token_itl(t, k) for t, k in zip(frame["chunk_times_s"], frame["chunk_tokens"], strict=True)]
     gaps = [np.diff(np.asarray(t, dtype=float)) for t in frame["chunk_times_s"]]
     return {
@@ -64,93 +122,119 @@ def servegrid_run(facts: server.ServerFacts, served: str, concurrency: int, requ
     }
 
 
-def upstream_run(facts: server.ServerFacts, served: str, model_dir: Path, concurrency: int, requests: int,
+def upstream_run(url: str, served: str, model_dir: Path, prompts: list[str], concurrency: int,
                  out: Path) -> dict[str, list[float]]:  # fmt: skip
-    result = out / f"upstream-{facts.configuration}-c{concurrency}-{time.monotonic_ns()}.json"
-    subprocess.run(
+    stamp = time.monotonic_ns()
+    dataset = out / f"prompts-{stamp}.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    result = out / f"upstream-{stamp}.json"
+    done = subprocess.run(
         [str(VLLM_PYTHON), str(REPO / "benchmarks" / "upstream_bench.py"), "--backend", "vllm",
-         "--base-url", facts.url, "--model", served, "--tokenizer", str(model_dir), "--dataset-name", "random",
-         "--random-input-len", "1024", "--random-output-len", "128", "--num-prompts", str(requests),
-         "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--num-warmups", "1",
-         "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name],
-        check=True, capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+         "--base-url", url, "--model", served, "--tokenizer", str(model_dir),
+         "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", str(OUTPUT_TOKENS),
+         "--skip-chat-template", "--no-oversample", "--num-prompts", str(len(prompts)),
+         "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
+         "--extra-body", json.dumps(EXTRA_BODY), "--disable-tqdm",
+         "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", result.name],
+        check=False, capture_output=True, text=True, timeout=1200, preexec_fn=pin_to_client_core,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
     )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     data = json.loads(result.read_text())
     result.unlink()
-    ttfts = [t for t in data["ttfts"] if t]
-    tpots = [
-        (sum(itl)) / (n - 1) for itl, n in zip(data["itls"], data["output_lens"], strict=True) if n and n > 1 and itl
-    ]
-    return {"ttft": ttfts, "tpot": tpots, "chunk_gap": [g for itl in data["itls"] for g in itl]}
+    dataset.unlink()
+    tpots = [sum(itl) / (n - 1) for itl, n in zip(data["itls"], data["output_lens"], strict=True) if n > 1 and itl]
+    return {"ttft": [t for t in data["ttfts"] if t], "tpot": tpots, "chunk_gap": [g for i in data["itls"] for g in i]}
 
 
-def p50(values: list[float]) -> float:
-    return float(np.median(values)) if values else float("nan")
+def ratio_row(name: str, concurrency: int, ours: dict, theirs: dict) -> dict:
+    p50 = lambda values: float(np.median(values)) * 1e3  # noqa: E731 - ms
+    row = {"configuration": name, "concurrency": concurrency, "requests_each": len(ours["ttft"])}
+    for metric in ("ttft", "tpot"):
+        row[f"{metric}_p50_ms"] = {"servegrid": p50(ours[metric]), "upstream": p50(theirs[metric])}
+        row[f"{metric}_ratio"] = row[f"{metric}_p50_ms"]["servegrid"] / row[f"{metric}_p50_ms"]["upstream"]
+        row[f"{metric}_ratio_ci"] = stats.ratio_of_medians_ci(ours[metric], theirs[metric])
+    row["itl_p50_ms"] = {
+        "servegrid_per_token": p50(ours["itl_token"]),
+        "servegrid_per_chunk": p50(ours["chunk_gap"]),
+        "upstream_per_chunk": p50(theirs["chunk_gap"]),
+    }
+    row["within_3_percent"] = all(abs(row[f"{m}_ratio"] - 1) <= 0.03 for m in ("ttft", "tpot"))
+    return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per configuration")
-    parser.add_argument("--requests", type=int, default=8, help="requests per client, round and concurrency")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=16, help="prompts per round and concurrency (both clients)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     exp = experiment(args.out)
-    model.build(Path(exp.raw["model"]["path"]), model.TinyModelSpec(**exp.tiny_model_spec()))
+    model_dir = Path(exp.raw["model"]["path"])
+    model.build(model_dir, model.TinyModelSpec(**exp.tiny_model_spec()))
     runtime = server.Runtime(port_range=(8400, 8499), startup_timeout_s=900, shutdown_timeout_s=20,
                              state_dir=str(args.out / "state"), cwd=str(REPO))  # fmt: skip
     owner = procs.ProcessRef.of(os.getpid())
     served = exp.raw["model"]["served_name"]
-    results = []
+    all_cpus = os.sched_getaffinity(0)
+    rows = []
     try:
         for name in exp.configurations:
+            os.sched_setaffinity(0, all_cpus)  # the server, our child, chooses its own cores
             facts = server.ensure(exp.launch_spec(name), runtime, owner)
+            pin_to_client_core()
             pooled: dict[tuple[str, int], dict[str, list[float]]] = {}
-            for _round in range(args.rounds):
+            for round_ in range(args.rounds):
                 for concurrency in args.concurrency:
-                    for tool in ("servegrid", "upstream"):  # interleaved: drift hits both alike
+                    prompts = prompt_texts(facts.url, served, args.requests, f"{name} r{round_} c{concurrency}")
+                    order = ("servegrid", "upstream") if round_ % 2 == 0 else ("upstream", "servegrid")
+                    for tool in order:
+                        warm_and_reset(facts.url, served, f"{tool} r{round_} c{concurrency}")
                         run = (
-                            servegrid_run(facts, served, concurrency, args.requests)
+                            servegrid_run(facts.url, served, prompts, concurrency)
                             if tool == "servegrid"
-                            else upstream_run(
-                                facts, served, Path(exp.raw["model"]["path"]), concurrency, args.requests, args.out
-                            )
+                            else upstream_run(facts.url, served, model_dir, prompts, concurrency, args.out)
                         )
-                        bucket = pooled.setdefault((tool, concurrency), {})
-                        for key, values in run.items():
-                            bucket.setdefault(key, []).extend(values)
+                        for key in ((tool, concurrency), (tool, concurrency, round_ % 2)):
+                            bucket = pooled.setdefault(key, {})
+                            for metric, values in run.items():
+                                bucket.setdefault(metric, []).extend(values)
             server.stop(name, runtime, reason="comparison done")
             for concurrency in args.concurrency:
-                ours, theirs = pooled[("servegrid", concurrency)], pooled[("upstream", concurrency)]
-                row = {
-                    "configuration": name,
-                    "concurrency": concurrency,
-                    "requests_each": len(ours["ttft"]),
-                    "ttft_p50_ms": {"servegrid": p50(ours["ttft"]) * 1e3, "upstream": p50(theirs["ttft"]) * 1e3},
-                    "tpot_p50_ms": {"servegrid": p50(ours["tpot"]) * 1e3, "upstream": p50(theirs["tpot"]) * 1e3},
-                    "itl_p50_ms": {
-                        "servegrid_per_token": p50(ours["itl_token"]) * 1e3,
-                        "servegrid_per_chunk": p50(ours["chunk_gap"]) * 1e3,
-                        "upstream_per_chunk": p50(theirs["chunk_gap"]) * 1e3,
-                    },
+                row = ratio_row(name, concurrency, pooled[("servegrid", concurrency)],
+                                pooled[("upstream", concurrency)])  # fmt: skip
+                # The noise floor: each client against itself, even rounds over odd rounds.
+                row["self_ratio"] = {
+                    tool: {
+                        metric: float(np.median(pooled[(tool, concurrency, 0)][metric]))
+                        / float(np.median(pooled[(tool, concurrency, 1)][metric]))
+                        for metric in ("ttft", "tpot")
+                    }
+                    for tool in ("servegrid", "upstream")
+                    if (tool, concurrency, 1) in pooled
                 }
-                row["ttft_ratio"] = row["ttft_p50_ms"]["servegrid"] / row["ttft_p50_ms"]["upstream"]
-                row["tpot_ratio"] = row["tpot_p50_ms"]["servegrid"] / row["tpot_p50_ms"]["upstream"]
-                row["within_3_percent"] = abs(row["ttft_ratio"] - 1) <= 0.03 and abs(row["tpot_ratio"] - 1) <= 0.03
-                results.append(row)
+                rows.append(row)
+                (t_lo, t_hi), (p_lo, p_hi) = row["ttft_ratio_ci"], row["tpot_ratio_ci"]
                 print(
-                    f"{name:<13} c={concurrency}  TTFT p50 {row['ttft_p50_ms']['servegrid']:8.1f} vs "
-                    f"{row['ttft_p50_ms']['upstream']:8.1f} ms (x{row['ttft_ratio']:.3f})  TPOT p50 "
-                    f"{row['tpot_p50_ms']['servegrid']:6.2f} vs {row['tpot_p50_ms']['upstream']:6.2f} ms "
-                    f"(x{row['tpot_ratio']:.3f})  ITL p50 per token {row['itl_p50_ms']['servegrid_per_token']:.2f} / "
-                    f"per chunk {row['itl_p50_ms']['servegrid_per_chunk']:.2f} (upstream per chunk "
-                    f"{row['itl_p50_ms']['upstream_per_chunk']:.2f}) ms",
+                    f"{name:<13} c={concurrency}  n={row['requests_each']}  "
+                    f"TTFT p50 {row['ttft_p50_ms']['servegrid']:7.1f} vs {row['ttft_p50_ms']['upstream']:7.1f} ms "
+                    f"(x{row['ttft_ratio']:.3f}, CI {t_lo:.3f}-{t_hi:.3f})  "
+                    f"TPOT p50 {row['tpot_p50_ms']['servegrid']:5.2f} vs {row['tpot_p50_ms']['upstream']:5.2f} ms "
+                    f"(x{row['tpot_ratio']:.3f}, CI {p_lo:.3f}-{p_hi:.3f})  "
+                    f"ITL p50: servegrid per token {row['itl_p50_ms']['servegrid_per_token']:.2f}, per chunk "
+                    f"{row['itl_p50_ms']['servegrid_per_chunk']:.2f}; upstream per chunk "
+                    f"{row['itl_p50_ms']['upstream_per_chunk']:.2f} ms",
                     flush=True,
                 )
+                for tool, ratios in row["self_ratio"].items():
+                    print(f"{'':<13}      noise floor, {tool} against itself (even/odd rounds): "
+                          f"TTFT x{ratios['ttft']:.3f}  TPOT x{ratios['tpot']:.3f}", flush=True)  # fmt: skip
     finally:
         server.stop_all(runtime, reason="comparison ended")
-    (args.out / "upstream_compare.json").write_text(json.dumps({"rows": results}, indent=2))
+    (args.out / "upstream_compare.json").write_text(json.dumps({"rows": rows}, indent=2))
     print(f"wrote {args.out / 'upstream_compare.json'}")
     return 0
 
