@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test lint clean-results
+.PHONY: setup system-deps demo test lint bench clean-results
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -59,3 +59,8 @@ test: setup system-deps lint
 clean-results:
 	$(VENV)/bin/servegrid server down --all --config config/cpu-demo.yaml || true
 	rm -rf results .snakemake
+
+# The client's accuracy and headroom (README, "How accurate is it?"); writes benchmarks/out/*.json.
+bench: setup
+	$(VENV)/bin/python benchmarks/client_overhead.py
+	$(VENV)/bin/python benchmarks/upstream_compare.py

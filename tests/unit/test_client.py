@@ -84,3 +84,23 @@ def test_streamer_records_connection_errors():
     asyncio.run(_stream("http://127.0.0.1:9", {"model": "m", "prompt": [1]}, record))
     assert record.error and "ConnectError" in record.error
     assert record.end_ns is not None
+
+
+def test_calibration_server_keeps_its_script_and_says_how_late_it_was(calibration):
+    with calibration(Script(ttft_s=0.02, interval_s=0.01, tokens_per_chunk=2, jitter_s=0.002)) as srv:
+        records = [_record(10) for _ in range(4)]
+
+        async def four_streams() -> None:
+            async with httpx.AsyncClient(timeout=10) as client:
+                streamer = Streamer(client, srv.url)
+                payload = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 10}
+                await asyncio.gather(*(streamer.stream("/v1/completions", payload, r) for r in records))
+
+        asyncio.run(four_streams())
+        served = httpx.get(f"{srv.url}/servegrid/stats").json()
+    assert served["requests"] == 4 and served["events"] == 4 * 5
+    assert 0 <= served["late_p50_ms"] <= served["late_p99_ms"] <= served["late_max_ms"] < 50
+    for record in records:
+        assert record.chunk_tokens == [2] * 5
+        gaps = [(b - a) / 1e6 for a, b in zip(record.chunk_server_ns, record.chunk_server_ns[1:], strict=False)]
+        assert all(7 <= g <= 40 for g in gaps), gaps  # 10 ms ± 2 ms jitter, written on schedule

@@ -26,7 +26,7 @@ from servegrid import paths
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 # Bump when the way a cell is measured changes: every cell reruns.
-MEASUREMENT_VERSION = 2
+MEASUREMENT_VERSION = 3
 
 MODES = ("decode", "single_turn", "multi_turn")
 
