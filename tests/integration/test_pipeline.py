@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
+from datetime import datetime, timedelta
 
 import pandas as pd
 import pytest
@@ -82,6 +84,13 @@ def test_servers_were_started_once_each_and_logged(pipeline_run):
         assert "Application startup complete" in log.read_text()
     stop_records = sorted((workdir / "results" / "servers").glob("*/stopped.json"))
     assert len(stop_records) == 2
+    # The first configuration's server went down after its last cell, before the second one started.
+    first_stopped = json.loads((workdir / "results/servers/prefix_cache/stopped.json").read_text())
+    ngram_session = next(p for p in logs if p.parts[-3] == "ngram").stem  # e.g. 20261129T131219-8249e3
+    ngram_started = datetime.strptime(ngram_session.split("-")[0], "%Y%m%dT%H%M%S")
+    stopped_at = datetime.fromisoformat(first_stopped["stopped_at"]).astimezone().replace(tzinfo=None)
+    assert first_stopped["stopped"][0]["was_running"]
+    assert stopped_at <= ngram_started + timedelta(seconds=1)
 
 
 def test_second_run_does_nothing_and_starts_no_server(pipeline_run):

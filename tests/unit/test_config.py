@@ -140,3 +140,9 @@ def test_from_file_reports_unreadable_and_non_mapping(tmp_path):
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         Experiment.from_file(bad)
+
+
+def test_report_languages_are_the_catalogues(demo_raw):
+    with pytest.raises(ConfigError, match=r"report\.languages: no catalogue for de"):
+        Experiment(with_changes(demo_raw, **{"report.languages": ["pt", "de"]}))
+    assert Experiment(with_changes(demo_raw, **{"report.languages": ["hu"]})).languages == ["hu"]

@@ -10,8 +10,9 @@ from babel.messages.extract import extract_from_dir, extract_python
 from babel.messages.pofile import read_po
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
-from servegrid import figures, report
-from servegrid.report import LOCALES, TEMPLATES
+from servegrid import catalogues, figures, report
+from servegrid.catalogues import LOCALES
+from servegrid.report import TEMPLATES
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_catalogues_translate_every_template_message():
         }
     extracted.discard(None)  # _(variable): translated where the variable's message is marked
     assert len(extracted) > 40
-    for lang in report.available_languages():
+    for lang in catalogues.available_languages():
         with (LOCALES / lang / "LC_MESSAGES" / "messages.po").open("rb") as handle:
             catalog = read_po(handle)
         translated = {m.id: m.string for m in catalog if m.id}
@@ -114,6 +115,6 @@ def test_catalogues_translate_every_template_message():
 
 
 def test_languages_come_from_catalogues():
-    assert report.available_languages() == ["hu", "pt"]
+    assert catalogues.available_languages() == ["hu", "pt"]
     with pytest.raises(FileNotFoundError, match="no catalogue for language 'de'"):
-        report.load_catalog("de")
+        catalogues.load_catalog("de")

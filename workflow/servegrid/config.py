@@ -249,6 +249,14 @@ class Experiment:
                 )
         if not self.modes():
             raise ConfigError(f"{src}: workloads: no workload mode is enabled")
+        from servegrid.catalogues import available_languages
+
+        missing = [lang for lang in self.languages if lang not in available_languages()]
+        if missing:
+            raise ConfigError(
+                f"{src}: report.languages: no catalogue for {', '.join(missing)} "
+                "(add report/locales/<language>/LC_MESSAGES/messages.po)"
+            )
         low, high = self.operations["port_range"]
         if low > high:
             raise ConfigError(f"{src}: operations.port_range: {low} > {high}")

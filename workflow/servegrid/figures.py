@@ -251,7 +251,7 @@ class Painter:
 
 
 def draw_all(experiment: Experiment, summary_path: str, comparisons_path: str, out_dir: Path, lang: str) -> list[Path]:
-    from servegrid.report import load_catalog  # the report's catalogues carry the figures' words too
+    from servegrid.catalogues import load_catalog  # the report's catalogues carry the figures' words too
 
     translations, locale = load_catalog(lang)
     painter = Painter(

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,8 @@ def stop_server(smk: Any) -> None:
         name = smk.wildcards.configuration
         runtime = server.Runtime.from_config(experiment.operations, experiment.configurations[name]["gpus"])
         stopped = server.stop(name, runtime, reason="last cell of the configuration done")
-        atomic.write_json(smk.output[0], {"configuration": name, "stopped": stopped})
+        stopped_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+        atomic.write_json(smk.output[0], {"configuration": name, "stopped_at": stopped_at, "stopped": stopped})
 
     _run(smk, body)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import math
 import subprocess
 from dataclasses import dataclass
@@ -27,41 +26,14 @@ import numpy as np
 import pandas as pd
 from babel import Locale
 from babel.dates import format_date, format_datetime
-from babel.messages.mofile import write_mo
-from babel.messages.pofile import read_po
 from babel.numbers import format_decimal
-from babel.support import Translations
 
 from servegrid import atomic
+from servegrid.catalogues import REPORT_ROOT, load_catalog
 from servegrid.config import Experiment, canonical_json
 from servegrid.figures import FORMATS, figure_specs
 
-REPORT_ROOT = Path(__file__).resolve().parents[2] / "report"
 TEMPLATES = REPORT_ROOT / "templates"
-LOCALES = REPORT_ROOT / "locales"
-DOMAIN = "messages"
-
-
-def catalog_path(lang: str) -> Path:
-    return LOCALES / lang / "LC_MESSAGES" / f"{DOMAIN}.po"
-
-
-def available_languages() -> list[str]:
-    return sorted(p.parent.parent.name for p in LOCALES.glob(f"*/LC_MESSAGES/{DOMAIN}.po"))
-
-
-def load_catalog(lang: str) -> tuple[Translations, Locale]:
-    """Compile the language's .po catalogue in memory (no generated .mo files in the tree)."""
-    path = catalog_path(lang)
-    if not path.exists():
-        raise FileNotFoundError(f"no catalogue for language '{lang}' at {path}")
-    with path.open("rb") as handle:
-        catalog = read_po(handle, locale=None)
-    buffer = io.BytesIO()
-    write_mo(buffer, catalog, use_fuzzy=False)
-    buffer.seek(0)
-    locale = catalog.locale or Locale.parse(lang)
-    return Translations(fp=buffer, domain=DOMAIN), locale
 
 
 @dataclass

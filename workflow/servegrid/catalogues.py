@@ -1,0 +1,41 @@
+"""The report's gettext catalogues: one per language, compiled in memory.
+
+A language exists when report/locales/<language>/LC_MESSAGES/messages.po does;
+the config's report.languages is checked against this list.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from babel import Locale
+from babel.messages.mofile import write_mo
+from babel.messages.pofile import read_po
+from babel.support import Translations
+
+REPORT_ROOT = Path(__file__).resolve().parents[2] / "report"
+LOCALES = REPORT_ROOT / "locales"
+DOMAIN = "messages"
+
+
+def catalog_path(lang: str) -> Path:
+    return LOCALES / lang / "LC_MESSAGES" / f"{DOMAIN}.po"
+
+
+def available_languages() -> list[str]:
+    return sorted(p.parent.parent.name for p in LOCALES.glob(f"*/LC_MESSAGES/{DOMAIN}.po"))
+
+
+def load_catalog(lang: str) -> tuple[Translations, Locale]:
+    """Compile the language's .po catalogue in memory (no generated .mo files in the tree)."""
+    path = catalog_path(lang)
+    if not path.exists():
+        raise FileNotFoundError(f"no catalogue for language '{lang}' at {path}")
+    with path.open("rb") as handle:
+        catalog = read_po(handle, locale=None)
+    buffer = io.BytesIO()
+    write_mo(buffer, catalog, use_fuzzy=False)
+    buffer.seek(0)
+    locale = catalog.locale or Locale.parse(lang)
+    return Translations(fp=buffer, domain=DOMAIN), locale
