@@ -12,9 +12,11 @@ Both clients are pinned to the same core, away from the one vLLM binds its
 engine to, so that neither slows the engine down for the other.
 
 Reported per configuration and concurrency: TTFT p50 and TPOT p50 of each
-client and their ratio (servegrid / upstream) with a 95% bootstrap interval,
-and servegrid's per-token ITL beside the per-chunk gaps that upstream calls
-ITL.
+client and their ratio (servegrid / upstream) over all requests, and the
+median of the per-round ratios with a 95% bootstrap interval over rounds (the
+server's speed drifts from round to round on a shared machine; within a round
+both clients see the same server); and servegrid's per-token ITL beside the
+per-chunk gaps that upstream calls ITL.
 
     .venv/bin/python benchmarks/upstream_compare.py [--rounds 4] [--requests 16] [--out benchmarks/out]
 
@@ -166,8 +168,8 @@ def ratio_row(name: str, concurrency: int, ours: dict, theirs: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=16, help="prompts per round and concurrency (both clients)")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=12, help="prompts per round and concurrency (both clients)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
     args = parser.parse_args()
@@ -198,7 +200,11 @@ def main() -> int:
                             if tool == "servegrid"
                             else upstream_run(facts.url, served, model_dir, prompts, concurrency, args.out)
                         )
-                        for key in ((tool, concurrency), (tool, concurrency, round_ % 2)):
+                        for key in (
+                            (tool, concurrency),
+                            (tool, concurrency, round_ % 2),
+                            (tool, concurrency, "r", round_),
+                        ):
                             bucket = pooled.setdefault(key, {})
                             for metric, values in run.items():
                                 bucket.setdefault(metric, []).extend(values)
@@ -206,6 +212,18 @@ def main() -> int:
             for concurrency in args.concurrency:
                 row = ratio_row(name, concurrency, pooled[("servegrid", concurrency)],
                                 pooled[("upstream", concurrency)])  # fmt: skip
+                # Paired by round: the server drifts between rounds, both clients see each round's state.
+                for metric in ("ttft", "tpot"):
+                    per_round = [
+                        float(np.median(pooled[("servegrid", concurrency, "r", r)][metric]))
+                        / float(np.median(pooled[("upstream", concurrency, "r", r)][metric]))
+                        for r in range(args.rounds)
+                    ]
+                    row[f"{metric}_paired_ratio"] = float(np.median(per_round))
+                    row[f"{metric}_paired_ratio_ci"] = stats.median_ci(per_round)
+                row["within_3_percent_paired"] = all(
+                    abs(row[f"{m}_paired_ratio"] - 1) <= 0.03 for m in ("ttft", "tpot")
+                )
                 # The noise floor: each client against itself, even rounds over odd rounds.
                 row["self_ratio"] = {
                     tool: {
@@ -229,6 +247,9 @@ def main() -> int:
                     f"{row['itl_p50_ms']['upstream_per_chunk']:.2f} ms",
                     flush=True,
                 )
+                (a, b), (c, d) = row["ttft_paired_ratio_ci"], row["tpot_paired_ratio_ci"]
+                print(f"{'':<13}      paired by round: TTFT x{row['ttft_paired_ratio']:.3f} (CI {a:.3f}-{b:.3f})  "
+                      f"TPOT x{row['tpot_paired_ratio']:.3f} (CI {c:.3f}-{d:.3f})", flush=True)  # fmt: skip
                 for tool, ratios in row["self_ratio"].items():
                     print(f"{'':<13}      noise floor, {tool} against itself (even/odd rounds): "
                           f"TTFT x{ratios['ttft']:.3f}  TPOT x{ratios['tpot']:.3f}", flush=True)  # fmt: skip
