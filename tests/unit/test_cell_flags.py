@@ -184,3 +184,41 @@ def test_an_overloaded_client_is_flagged(sandbox, tmp_path, monkeypatch):
     assert bool(row["client_bottleneck"]) and not bool(row["valid"])
     assert "the client was the bottleneck" in row["invalid_reasons"]
     assert row["client_loop_lag_p99_s"] > 0.01
+
+
+def test_client_and_server_cpus_confine_each_side(sandbox, tmp_path):
+    from servegrid import server
+
+    allowed = sorted(os.sched_getaffinity(0))
+    server_cpu, client_cpu = allowed[0], allowed[-1]
+    raw = calibration_experiment().raw
+    raw["workloads"] = {"decode": {"contexts": [32], "concurrency": [1], "output_tokens": 4, "requests_per_session": 1}}
+    raw["configurations"]["honest"]["cpus"] = [server_cpu]
+    raw["operations"]["client_cpus"] = [client_cpu]
+    experiment = Experiment(raw)
+    (cell,) = experiment.cells("honest")
+    sandbox.cpus = [server_cpu]
+    before = os.sched_getaffinity(0)
+    try:
+        meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert meta["client"]["cpus"] == [client_cpu]
+    assert meta["server"]["cpus"] == [server_cpu]
+    (record,) = server.status(sandbox)
+    assert os.sched_getaffinity(record["server"]["pid"]) == {server_cpu}
+
+
+def test_cpus_this_machine_lacks_are_named(sandbox):
+    from servegrid import server
+
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(server.ServerError, match=rf"operations.client_cpus: CPU\(s\) \[{missing}\]"):
+        server.check_cpus([missing], "operations.client_cpus")
+    raw = calibration_experiment().raw
+    raw["configurations"]["honest"]["cpus"] = [missing]
+    experiment = Experiment(raw)
+    cell = experiment.cells("honest")[0]
+    sandbox.cpus = [missing]
+    with pytest.raises(server.ServerError, match=r"configurations.honest.cpus"):
+        run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)

@@ -189,6 +189,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["client_loop_lag_p99_s"] = client.get("loop_lag_p99_s")
     row["client_loop_lag_max_s"] = client.get("loop_lag_max_s")
     row["client_cpu_fraction"] = client.get("cpu_fraction")
+    row["client_cpus"] = ",".join(str(c) for c in client.get("cpus") or [])
     row["sends_slipped"] = bool((row["send_delay_s_p99"] or 0) > validity["max_send_delay_s"])
     row["client_bottleneck"] = bool(
         (row["client_loop_lag_p99_s"] or 0) > validity["max_loop_lag_s"]
@@ -327,6 +328,7 @@ def servers(metas: list[dict[str, Any]]) -> pd.DataFrame:
             "host_memory_gib": host.get("memory_gib"),
             "host_os": host.get("os"),
             "host_gpus": "; ".join(f"{g['index']}: {g['name']} ({g['memory']})" for g in host.get("gpus") or []),
+            "cpus": list(facts.get("cpus") or []),
             "cells": 1,
         }
     return pd.DataFrame(list(seen.values()))

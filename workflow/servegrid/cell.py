@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -100,7 +101,7 @@ async def measure(
                 async def begin_measurement(state: dict[str, Any] = state) -> None:
                     state["before"] = await metrics.scrape(client, url, model)
                     state["t0_ns"] = time.monotonic_ns()
-                    state["first_sample"] = len(sampler.samples)
+                    state["first_sample"] = sampler.count
                     sampler.start()
                     monitor.start()
 
@@ -125,7 +126,7 @@ async def measure(
                         "after": after,
                         "delta": metrics.delta(state["before"], after),
                         "gauge_samples": [
-                            {**s, "t": s["t"] - state["t0_ns"] / 1e9} for s in sampler.samples[state["first_sample"] :]
+                            {**s, "t": s["t"] - state["t0_ns"] / 1e9} for s in sampler.samples(state["first_sample"])
                         ],
                     }
                 )
@@ -137,7 +138,7 @@ async def measure(
     }
     measured = {
         "server_metrics": server_metrics,
-        "client": monitor.summary(),
+        "client": monitor.summary() | {"cpus": sorted(os.sched_getaffinity(0))},
         "repeats": repeats,
         "duration_s": sum(r["duration_s"] for r in repeats),
         # The weakest guarantee any repeat had.
@@ -157,11 +158,17 @@ def run_cell(
     """Measure ``cell`` and write its file; returns the file's metadata."""
     spec = spec or experiment.launch_spec(cell.configuration)
     settings = experiment.cell_settings(cell)
-    gpus = experiment.configurations[cell.configuration]["gpus"]
-    runtime = runtime or server.Runtime.from_config(experiment.operations, gpus)
+    conf = experiment.configurations[cell.configuration]
+    runtime = runtime or server.Runtime.from_config(experiment.operations, conf["gpus"], conf["cpus"])
+    client_cpus = experiment.operations["client_cpus"]
+    server.check_cpus(client_cpus, "operations.client_cpus")
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
     with server.lease(cell.configuration, runtime):
         facts = server.ensure(spec, runtime, owner)
+        if client_cpus:
+            # After the server is up (it must not inherit them): off the server's cores, so that the
+            # engine's busy threads do not delay the client's timestamps.
+            os.sched_setaffinity(0, client_cpus)
         log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
         try:
             request_records, measured = run_loop(

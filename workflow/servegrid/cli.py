@@ -34,7 +34,8 @@ def _runtime(experiment: Experiment, name: str) -> server.Runtime:
         raise ConfigError(
             f"{experiment.source}: no configuration named '{name}' (have: {', '.join(experiment.configurations)})"
         )
-    return server.Runtime.from_config(experiment.operations, experiment.configurations[name]["gpus"])
+    conf = experiment.configurations[name]
+    return server.Runtime.from_config(experiment.operations, conf["gpus"], conf["cpus"])
 
 
 def _parse_cell(experiment: Experiment, text: str) -> Cell:

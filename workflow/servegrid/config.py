@@ -26,7 +26,7 @@ from servegrid import paths
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 # Bump when the way a cell is measured changes: every cell reruns.
-MEASUREMENT_VERSION = 3
+MEASUREMENT_VERSION = 4  # 4: /metrics parsed after the measured phase, not during it
 
 MODES = ("decode", "single_turn", "multi_turn")
 

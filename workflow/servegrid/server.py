@@ -54,17 +54,19 @@ class Runtime:
     startup_timeout_s: float = 1800.0
     shutdown_timeout_s: float = 30.0
     gpus: list[int] = field(default_factory=list)
+    cpus: list[int] = field(default_factory=list)
     state_dir: str = paths.STATE_DIR
     cwd: str = "."
 
     @classmethod
-    def from_config(cls, operations: dict[str, Any], gpus: list[int]) -> Runtime:
+    def from_config(cls, operations: dict[str, Any], gpus: list[int], cpus: list[int] | None = None) -> Runtime:
         return cls(
             host=operations["host"],
             port_range=tuple(operations["port_range"]),  # type: ignore[arg-type]
             startup_timeout_s=operations["startup_timeout_s"],
             shutdown_timeout_s=operations["shutdown_timeout_s"],
             gpus=list(gpus),
+            cpus=list(cpus or []),
         )
 
 
@@ -89,6 +91,7 @@ class ServerFacts:
     started_at: str
     host: dict[str, Any]
     block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
+    cpus: list[int] = field(default_factory=list)  # cores the server was confined to; empty: all
 
 
 def owner_from_env() -> procs.ProcessRef | None:
@@ -297,8 +300,17 @@ def _pick_port(runtime: Runtime) -> int:
     raise ServerError(f"no free port on {runtime.host} in operations.port_range {low}-{high}")
 
 
+def check_cpus(cpus: list[int], key: str) -> None:
+    """Fail, naming ``key``, when ``cpus`` asks for cores this process may not use."""
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise ServerError(f"{key}: CPU(s) {missing} are not available here (this process may use {sorted(allowed)})")
+
+
 def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.ProcessRef | None) -> ServerFacts:
     configuration = spec["configuration"]
+    check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
     port = _pick_port(runtime)
     session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     log_dir = Path(paths.server_log_dir(configuration))
@@ -318,6 +330,7 @@ def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.Pro
         "url": url,
         "port": port,
         "gpus": runtime.gpus,
+        "cpus": runtime.cpus,
         "log_path": str(log_path),
         "record_path": str(_record_path(runtime, configuration)),
         "owner": owner.to_dict() if owner else None,
@@ -376,6 +389,7 @@ def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.Pro
         started_at=started_at,
         host=hostinfo.describe(runtime.gpus),
         block_size=block_size,
+        cpus=runtime.cpus,
     )
     atomic.write_json(_facts_path(runtime, configuration), asdict(facts))
     return facts

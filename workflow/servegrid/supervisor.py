@@ -70,6 +70,9 @@ class Supervisor:
         env = {**os.environ, **self.launch["env"]}
         log = open(self.launch["log_path"], "ab", buffering=0)  # noqa: SIM115 - lives as long as the server
         try:
+            if self.launch.get("cpus"):
+                # Inherited by every process of the server, engine workers included.
+                os.sched_setaffinity(0, self.launch["cpus"])
             proc = subprocess.Popen(
                 self.launch["argv"],
                 env=env,
@@ -79,7 +82,7 @@ class Supervisor:
                 start_new_session=True,
                 cwd=self.launch["cwd"],
             )
-        except OSError as exc:
+        except OSError as exc:  # also an affinity the kernel refuses
             log.write(f"servegrid: cannot execute {self.launch['argv'][0]!r}: {exc}\n".encode())
             self._write(status="exited", returncode=127, ended_at=now_iso(), end_reason=f"exec failed: {exc}")
             return 1
