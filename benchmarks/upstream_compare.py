@@ -8,8 +8,8 @@ output tokens (ignore_eos, min_tokens; upstream gets servegrid's extra request
 fields through --extra-body), temperature 0, closed loop at concurrency 1 and 4.
 Before each client's turn the server's prefix cache is emptied and one
 unmeasured request warms it up; which client goes first alternates by round.
-Both clients are pinned to the same core, away from the one vLLM binds its
-engine to, so that neither slows the engine down for the other.
+Both clients are pinned to the demo's client core, the server to its server
+core (config/cpu-demo.yaml), so that neither slows the engine down for the other.
 
 Reported per configuration and concurrency: TTFT p50 and TPOT p50 of each
 client and their ratio (servegrid / upstream) over all requests, and the
@@ -61,8 +61,9 @@ def experiment(out: Path) -> Experiment:
 
 
 def client_core() -> set[int]:
-    """vLLM's CPU backend binds its engine to the first CPU; both clients use the last one."""
-    return {sorted(os.sched_getaffinity(0))[-1]}
+    """The demo's client core (operations.client_cpus, away from the server's); else the last CPU."""
+    raw = yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text())
+    return set(raw["operations"].get("client_cpus") or [sorted(os.sched_getaffinity(0))[-1]])
 
 
 def pin_to_client_core() -> None:
@@ -185,7 +186,8 @@ def main() -> int:
     rows = []
     try:
         for name in exp.configurations:
-            os.sched_setaffinity(0, all_cpus)  # the server, our child, chooses its own cores
+            os.sched_setaffinity(0, all_cpus)  # the server, our child, gets the demo's server cores
+            runtime.cpus = exp.configurations[name]["cpus"]
             facts = server.ensure(exp.launch_spec(name), runtime, owner)
             pin_to_client_core()
             pooled: dict[tuple[str, int], dict[str, list[float]]] = {}
