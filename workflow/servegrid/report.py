@@ -189,6 +189,15 @@ class ReportData:
         gpus = row.get("host_gpus") or ""
         return f"{described}; {gpus}" if gpus else described
 
+    def cpu_placement(self) -> dict[str, str] | None:
+        """The cores servers and client were confined to, when either was ("" = not confined)."""
+        servers = sorted({",".join(map(str, c)) for c in self.servers["cpus"]}) if "cpus" in self.servers else []
+        clients = sorted(set(self.summary["client_cpus"])) if "client_cpus" in self.summary else []
+        confined_servers = [s for s in servers if s]
+        if not confined_servers and not self.experiment.operations["client_cpus"]:
+            return None
+        return {"server": " / ".join(servers), "client": " / ".join(clients)}
+
 
 def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
