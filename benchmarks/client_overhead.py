@@ -30,7 +30,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import psutil
 from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import hostinfo
@@ -80,13 +79,12 @@ async def run_level(
                 payload = {"model": "calibration", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": tokens}
                 await streamer.stream("/v1/completions", payload, record)
 
-        cpu0 = sum(psutil.Process().cpu_times()[:2])
         wall0 = time.monotonic()
         monitor.start()
         await asyncio.gather(*(stream_loop(s) for s in range(streams)))
         await monitor.stop()
         wall = time.monotonic() - wall0
-        cpu = sum(psutil.Process().cpu_times()[:2]) - cpu0
+        client = monitor.summary()
         server_stats = (await client.get(f"{url}/servegrid/stats")).json()
     failed = [r for r in records if r.error]
     added = np.array([(rx - tx) / 1e6 for r in records for rx, tx in zip(r.chunk_ns, r.chunk_server_ns, strict=True)])
@@ -105,8 +103,8 @@ async def run_level(
         "added_per_token_ms_p50": float(np.percentile(added, 50)),
         "added_per_token_ms_p99": float(np.percentile(added, 99)),
         "added_per_token_ms_max": float(added.max()),
-        "client_cpu_fraction": cpu / wall,
-        "client_loop_lag_p99_ms": (monitor.summary()["loop_lag_p99_s"] or 0) * 1e3,
+        "client_cpu_fraction": client["cpu_fraction"],
+        "client_loop_lag_p99_ms": (client["loop_lag_p99_s"] or 0) * 1e3,
         "server_late_p99_ms": server_stats["late_p99_ms"],
     }
 

@@ -60,14 +60,9 @@ def experiment(out: Path) -> Experiment:
     return Experiment(raw, source="upstream_compare")
 
 
-def client_core() -> set[int]:
+def client_cores(exp: Experiment) -> set[int]:
     """The demo's client core (operations.client_cpus, away from the server's); else the last CPU."""
-    raw = yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text())
-    return set(raw["operations"].get("client_cpus") or [sorted(os.sched_getaffinity(0))[-1]])
-
-
-def pin_to_client_core() -> None:
-    os.sched_setaffinity(0, client_core())
+    return set(exp.operations["client_cpus"] or [sorted(os.sched_getaffinity(0))[-1]])
 
 
 def prompt_texts(url: str, served: str, count: int, label: str) -> list[str]:
@@ -139,7 +134,7 @@ def upstream_run(url: str, served: str, model_dir: Path, prompts: list[str], con
          "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
          "--extra-body", json.dumps(EXTRA_BODY), "--disable-tqdm",
          "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", result.name],
-        check=False, capture_output=True, text=True, timeout=1200, preexec_fn=pin_to_client_core,
+        check=False, capture_output=True, text=True, timeout=1200,  # on our client core: inherited
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
     )  # fmt: skip
     if done.returncode != 0:
@@ -189,7 +184,7 @@ def main() -> int:
             os.sched_setaffinity(0, all_cpus)  # the server, our child, gets the demo's server cores
             runtime.cpus = exp.configurations[name]["cpus"]
             facts = server.ensure(exp.launch_spec(name), runtime, owner)
-            pin_to_client_core()
+            os.sched_setaffinity(0, client_cores(exp))
             pooled: dict[tuple[str, int], dict[str, list[float]]] = {}
             for round_ in range(args.rounds):
                 for concurrency in args.concurrency:

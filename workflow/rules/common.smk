@@ -106,7 +106,7 @@ def model_inputs(wildcards):
 
 def stop_all_servers(reason):
     """Last line of teardown: every server this Snakemake process started."""
-    runtime = servers.Runtime.from_config(EXPERIMENT.operations, gpus=[])
+    runtime = servers.Runtime.from_config(EXPERIMENT.operations)
     for outcome in servers.stop_all(
         runtime, owner=ProcessRef.of(os.getpid()), reason=reason
     ):

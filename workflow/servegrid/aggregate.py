@@ -124,16 +124,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["n_repeats"] = int(measured["repeat"].nunique()) if len(measured) else 0
     row["primary_p50_repeat_min"] = min(by_repeat) if by_repeat else None
     row["primary_p50_repeat_max"] = max(by_repeat) if by_repeat else None
-    per_request = (
-        "ttft_s",
-        "tpot_s",
-        "e2e_s",
-        "decode_tps",
-        "send_delay_s",
-        "ttft_from_intended_s",
-        "e2e_from_intended_s",
-    )
-    for column in per_request:
+    for column in PER_REQUEST:
         values = valid[column].to_numpy(dtype=float)
         for name, value in stats.percentiles(values).items():
             row[f"{column}_{name}"] = value
@@ -351,12 +342,17 @@ def aggregate(
     summary = summarize(derived, metas, experiment)
     comparisons = verdict.compare(summary, derived)
     rules = verdict.VerdictRules.from_config(experiment.raw["verdict"])
-    outputs = [(derived, requests_out), (summary, summary_out), (servers(metas), servers_out)]
-    outputs.append((comparisons, comparisons_out))
+    roles = experiment.roles()
+    outputs = [
+        (derived, requests_out),
+        (summary, summary_out),
+        (servers(metas), servers_out),
+        (comparisons, comparisons_out),
+    ]
     if verdict_out:
-        outputs.append((verdict.classify(comparisons, rules, experiment.roles()), verdict_out))
+        outputs.append((verdict.classify(comparisons, rules, roles), verdict_out))
     if crossovers_out:
-        outputs.append((verdict.crossovers(comparisons, experiment.roles(), rules), crossovers_out))
+        outputs.append((verdict.crossovers(comparisons, roles, rules), crossovers_out))
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
             frame.to_parquet(tmp, index=False)

@@ -1,4 +1,4 @@
-"""The report's gettext catalogues: one per language, compiled in memory.
+"""The report's gettext catalogues, one per language and compiled in memory, and its number format.
 
 A language exists when report/locales/<language>/LC_MESSAGES/messages.po does;
 the config's report.languages is checked against this list.
@@ -12,6 +12,7 @@ from pathlib import Path
 from babel import Locale
 from babel.messages.mofile import write_mo
 from babel.messages.pofile import read_po
+from babel.numbers import format_decimal
 from babel.support import Translations
 
 REPORT_ROOT = Path(__file__).resolve().parents[2] / "report"
@@ -39,3 +40,8 @@ def load_catalog(lang: str) -> tuple[Translations, Locale]:
     buffer.seek(0)
     locale = catalog.locale or Locale.parse(lang)
     return Translations(fp=buffer, domain=DOMAIN), locale
+
+
+def format_number(value: float, digits: int, locale: Locale | str) -> str:
+    """``value`` with ``digits`` decimals and the language's own separators (Babel)."""
+    return format_decimal(value, format="#,##0" + ("." + "0" * digits if digits > 0 else ""), locale=locale)

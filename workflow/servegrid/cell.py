@@ -158,8 +158,8 @@ def run_cell(
     """Measure ``cell`` and write its file; returns the file's metadata."""
     spec = spec or experiment.launch_spec(cell.configuration)
     settings = experiment.cell_settings(cell)
-    conf = experiment.configurations[cell.configuration]
-    runtime = runtime or server.Runtime.from_config(experiment.operations, conf["gpus"], conf["cpus"])
+    configuration = experiment.configurations[cell.configuration]
+    runtime = runtime or server.Runtime.from_config(experiment.operations, configuration)
     client_cpus = experiment.operations["client_cpus"]
     server.check_cpus(client_cpus, "operations.client_cpus")
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")

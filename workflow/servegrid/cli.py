@@ -34,8 +34,7 @@ def _runtime(experiment: Experiment, name: str) -> server.Runtime:
         raise ConfigError(
             f"{experiment.source}: no configuration named '{name}' (have: {', '.join(experiment.configurations)})"
         )
-    conf = experiment.configurations[name]
-    return server.Runtime.from_config(experiment.operations, conf["gpus"], conf["cpus"])
+    return server.Runtime.from_config(experiment.operations, experiment.configurations[name])
 
 
 def _parse_cell(experiment: Experiment, text: str) -> Cell:
@@ -90,7 +89,7 @@ def cmd_server_up(experiment: Experiment, args: argparse.Namespace) -> int:
 def cmd_server_down(experiment: Experiment, args: argparse.Namespace) -> int:
     if args.all:
         outcomes = server.stop_all(
-            server.Runtime.from_config(experiment.operations, []), reason="servegrid server down --all"
+            server.Runtime.from_config(experiment.operations), reason="servegrid server down --all"
         )
     elif args.name:
         outcomes = server.stop(args.name, _runtime(experiment, args.name), reason="servegrid server down")
@@ -101,7 +100,7 @@ def cmd_server_down(experiment: Experiment, args: argparse.Namespace) -> int:
 
 
 def cmd_server_status(experiment: Experiment, args: argparse.Namespace) -> int:
-    rows = server.status(server.Runtime.from_config(experiment.operations, []))
+    rows = server.status(server.Runtime.from_config(experiment.operations))
     for row in rows:
         state = "up" if row["alive"] else "down"
         print(f"{row['configuration']:<20} {state:<5} {row['status']:<9} {row['url']}  log: {row['log_path']}")

@@ -21,10 +21,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
-from babel.numbers import format_decimal
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
 from servegrid import atomic
+from servegrid.catalogues import format_number, load_catalog
 from servegrid.config import Experiment
 
 FORMATS = ("png", "svg")
@@ -86,7 +86,7 @@ class Painter:
     def number(self, value: float, digits: int | None = None) -> str:
         if digits is None:
             digits = 0 if abs(value) >= 100 or float(value).is_integer() else (1 if abs(value) >= 10 else 2)
-        return format_decimal(value, format="#,##0" + ("." + "0" * digits if digits else ""), locale=self.locale)
+        return format_number(value, digits, self.locale)
 
     def _axes_numbers(self, ax: plt.Axes) -> None:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
@@ -251,8 +251,7 @@ class Painter:
 
 
 def draw_all(experiment: Experiment, summary_path: str, comparisons_path: str, out_dir: Path, lang: str) -> list[Path]:
-    from servegrid.catalogues import load_catalog  # the report's catalogues carry the figures' words too
-
+    # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
     painter = Painter(
         experiment, pd.read_parquet(summary_path), pd.read_parquet(comparisons_path), translations.gettext, str(locale)

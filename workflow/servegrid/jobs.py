@@ -70,7 +70,7 @@ def run_cell(smk: Any) -> None:
 def stop_server(smk: Any) -> None:
     def body(experiment: Experiment) -> None:
         name = smk.wildcards.configuration
-        runtime = server.Runtime.from_config(experiment.operations, experiment.configurations[name]["gpus"])
+        runtime = server.Runtime.from_config(experiment.operations, experiment.configurations[name])
         stopped = server.stop(name, runtime, reason="last cell of the configuration done")
         stopped_at = datetime.now(UTC).isoformat(timespec="milliseconds")
         atomic.write_json(smk.output[0], {"configuration": name, "stopped_at": stopped_at, "stopped": stopped})

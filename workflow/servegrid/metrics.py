@@ -103,10 +103,14 @@ def derived(counter_delta: dict[str, float | None]) -> dict[str, float | None]:
     }
 
 
-async def scrape(client: httpx.AsyncClient, url: str, model_name: str | None) -> dict[str, float]:
+async def fetch(client: httpx.AsyncClient, url: str) -> str:
     response = await client.get(f"{url}/metrics")
     response.raise_for_status()
-    return parse(response.text, model_name)
+    return response.text
+
+
+async def scrape(client: httpx.AsyncClient, url: str, model_name: str | None) -> dict[str, float]:
+    return parse(await fetch(client, url), model_name)
 
 
 @dataclass
@@ -116,7 +120,7 @@ class GaugeSampler:
     While requests are in flight it only fetches the text: parsing vLLM's
     exposition (about 50 kB, 12 ms in prometheus_client's parser) would hold
     the event loop and make the chunk timestamps late, so ``samples`` parses
-    afterwards.
+    afterwards, once per sample.
     """
 
     client: httpx.AsyncClient
@@ -125,15 +129,15 @@ class GaugeSampler:
     interval_s: float
     errors: int = 0
     _raw: list[tuple[float, str]] = field(default_factory=list)
+    _parsed: list[dict[str, float]] = field(default_factory=list)
     _task: asyncio.Task | None = None
 
     async def _loop(self) -> None:
         while True:
             started = time.monotonic()
             try:
-                response = await self.client.get(f"{self.url}/metrics")
-                response.raise_for_status()
-                self._raw.append((time.monotonic(), response.text))
+                text = await fetch(self.client, self.url)
+                self._raw.append((time.monotonic(), text))
             except httpx.HTTPError:
                 self.errors += 1
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
@@ -144,11 +148,10 @@ class GaugeSampler:
 
     def samples(self, first: int = 0) -> list[dict[str, float]]:
         """The gauges of every sample from the ``first`` on, each with its time ``t``."""
-        out = []
-        for t, text in self._raw[first:]:
+        for t, text in self._raw[len(self._parsed) :]:
             values = parse(text, self.model_name)
-            out.append({"t": t, **{g: values.get(g, float("nan")) for g in GAUGES}})
-        return out
+            self._parsed.append({"t": t, **{g: values.get(g, float("nan")) for g in GAUGES}})
+        return self._parsed[first:]
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())

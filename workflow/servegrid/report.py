@@ -26,10 +26,9 @@ import numpy as np
 import pandas as pd
 from babel import Locale
 from babel.dates import format_date, format_datetime
-from babel.numbers import format_decimal
 
 from servegrid import atomic
-from servegrid.catalogues import REPORT_ROOT, load_catalog
+from servegrid.catalogues import REPORT_ROOT, format_number, load_catalog
 from servegrid.config import Experiment, canonical_json
 from servegrid.figures import FORMATS, figure_specs
 
@@ -43,10 +42,7 @@ class Formatter:
     locale: Locale
 
     def num(self, value: Any, digits: int = 1) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return "–"
-        pattern = "#,##0" + ("." + "0" * digits if digits > 0 else "")
-        return format_decimal(value, format=pattern, locale=self.locale)
+        return "–" if _missing(value) else format_number(value, digits, self.locale)
 
     def integer(self, value: Any) -> str:
         return self.num(value, 0)
@@ -56,18 +52,18 @@ class Formatter:
         return text if text == "–" else f"{text}×"
 
     def seconds(self, value: Any) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if _missing(value):
             return "–"
         digits = 2 if abs(value) < 10 else 1
         return f"{self.num(value, digits)} s"
 
     def ms(self, value: Any) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if _missing(value):
             return "–"
         return f"{self.num(value * 1000, 1)} ms"
 
     def percent(self, value: Any) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if _missing(value):
             return "–"
         return f"{self.num(value * 100, 0)} %" if self.locale.language == "hu" else f"{self.num(value * 100, 0)}%"
 

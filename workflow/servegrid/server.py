@@ -59,14 +59,16 @@ class Runtime:
     cwd: str = "."
 
     @classmethod
-    def from_config(cls, operations: dict[str, Any], gpus: list[int], cpus: list[int] | None = None) -> Runtime:
+    def from_config(cls, operations: dict[str, Any], configuration: dict[str, Any] | None = None) -> Runtime:
+        """The runtime for one configuration (its GPUs and CPUs), or for none: state, ports and timeouts only."""
+        placement = configuration or {}
         return cls(
             host=operations["host"],
             port_range=tuple(operations["port_range"]),  # type: ignore[arg-type]
             startup_timeout_s=operations["startup_timeout_s"],
             shutdown_timeout_s=operations["shutdown_timeout_s"],
-            gpus=list(gpus),
-            cpus=list(cpus or []),
+            gpus=list(placement.get("gpus") or []),
+            cpus=list(placement.get("cpus") or []),
         )
 
 
