@@ -84,12 +84,16 @@ def device_slots():
     return slots
 
 
-# With --cores 1 Snakemake runs the highest priority ready job first: all cells
-# of the first configuration, then its server_stop, then the next
-# configuration. So each server starts at most once per run and is stopped
-# before the next one needs the machine.
+# Snakemake runs the highest priority ready job first: per configuration, its
+# server_spec, its cells, then its server_stop, before the next configuration.
+# So each server starts at most once per run and is stopped before the next one
+# needs the machine.
 def cell_priority(wildcards):
-    return 1000 - 2 * EXPERIMENT.configuration_index(wildcards.configuration)
+    return 1000 - 3 * EXPERIMENT.configuration_index(wildcards.configuration)
+
+
+def spec_priority(wildcards):
+    return cell_priority(wildcards) + 1
 
 
 def stop_priority(wildcards):

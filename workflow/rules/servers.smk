@@ -12,8 +12,13 @@ rule server_spec:
         paths.SERVER_SPEC_PATTERN,
     log:
         "results/logs/servers/{configuration}/spec.log",
+    priority: spec_priority
     conda:
         "../../envs/pipeline.yaml"
+    # The cells' device slots too: with several cores, a later configuration whose spec happened to be
+    # written first would otherwise get the device before an earlier one, whose server then interrupts it.
+    resources:
+        **device_slots(),
     params:
         spec=launch_spec,
     script:
