@@ -2,17 +2,17 @@
 
 The calibration server (servegrid.calibration, loopback, pinned to CPU 0)
 streams on a fixed schedule and stamps every SSE event with the monotonic time
-it wrote it. servegrid's own client path (httpx + servegrid.client.Streamer,
-the code every cell uses), pinned to CPU 1, stamps each event when its bytes
-arrive. Per event, client-added latency = arrival stamp − write stamp; both
-come from CLOCK_MONOTONIC, which is system-wide on Linux.
+it wrote it. servegrid's own client path (servegrid.client.Streamer, the code
+every cell uses), pinned to CPU 1, stamps each socket read in the connection's
+data_received. Per event, client-added latency = arrival stamp − write stamp;
+both come from CLOCK_MONOTONIC, which is system-wide on Linux.
 
     .venv/bin/python benchmarks/client_overhead.py [--streams 1 16 64 256 512] [--out benchmarks/out]
 
-Each level runs twice, side by side: with the transport servegrid uses
-(httpx over aiohttp, on uvloop) and with httpx's default one (httpcore), which
-is why servegrid does not use the latter. Prints a table and writes
-client_overhead.json. Targets (issue 6): at 256 streams, added latency p99
+Each level runs three times, side by side: servegrid's path, then the usual
+one, which stamps a read where the consuming task gets it from httpx, over
+aiohttp's transport and over httpx's default one (httpcore). Prints a table and
+writes client_overhead.json. Targets (issue 6): at 256 streams, added latency p99
 <= 2 ms and >= 20,000 SSE events/s.
 """
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import socket
@@ -34,7 +36,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import hostinfo
 from servegrid.cell import run_loop
-from servegrid.client import ClientMonitor, RequestRecord, Streamer
+from servegrid.client import ClientMonitor, CollectorPause, RequestRecord, Streamer, decode_stream, streaming_session
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,32 +65,63 @@ def start_server(port: int, ttft: float, interval: float, cpu: int | None) -> su
     raise RuntimeError("the calibration server did not start")
 
 
-async def run_level(
-    url: str, streams: int, requests_per_stream: int, tokens: int, client_class: type = httpx.AsyncClient
-) -> dict:
-    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
-    async with client_class(limits=limits, timeout=120) as client:
-        streamer = Streamer(client, url)
-        records: list[RequestRecord] = []
-        monitor = ClientMonitor()
+async def consumer_stamped(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord) -> None:
+    """The usual way, for comparison: stamp each read where the consuming task gets it from httpx."""
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    parts: list[bytes] = []
+    reads: list[tuple[int, int]] = []
+    received = 0
+    record.sent_ns = time.monotonic_ns()
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        async for raw in response.aiter_raw():
+            if raw:
+                received += len(raw)
+                reads.append((time.monotonic_ns(), received))
+                parts.append(raw)
+    record.end_ns = time.monotonic_ns()
+    decode_stream(b"".join(parts), reads, record)
 
-        async def stream_loop(s: int) -> None:
+
+async def run_level(url: str, streams: int, requests_per_stream: int, tokens: int, path: str) -> dict:
+    monitor, pause = ClientMonitor(), CollectorPause()
+    records: list[RequestRecord] = []
+    async with contextlib.AsyncExitStack() as stack:
+        if path == "servegrid":
+            streamer = Streamer(await stack.enter_async_context(streaming_session(streams + 4, 120)), url)
+            send = functools.partial(streamer.stream, "/v1/completions", decode=False)
+        else:
+            limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+            client = await stack.enter_async_context(PATHS[path](limits=limits, timeout=120))
+            send = functools.partial(consumer_stamped, client, url)
+
+        async def stream_loop(s: int, start_ns: int) -> None:
+            intended = start_ns  # closed loop, as cells run: the next request is due when the last one ends
             for r in range(requests_per_stream):
                 record = RequestRecord(f"s{s}r{r}", s, r, "measured", 1, 8, tokens)
+                record.intended_send_ns = intended
                 records.append(record)
                 payload = {"model": "calibration", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": tokens}
-                await streamer.stream("/v1/completions", payload, record)
+                await send(payload, record)
+                intended = record.end_ns or time.monotonic_ns()
 
+        if path == "servegrid":
+            await streamer.open_connections(streams)
         wall0 = time.monotonic()
+        pause.start()
         monitor.start()
-        await asyncio.gather(*(stream_loop(s) for s in range(streams)))
+        start_ns = time.monotonic_ns()
+        await asyncio.gather(*(stream_loop(s, start_ns) for s in range(streams)))
         await monitor.stop()
+        pause.stop()
         wall = time.monotonic() - wall0
-        client = monitor.summary()
-        server_stats = (await client.get(f"{url}/servegrid/stats")).json()
+        if path == "servegrid":
+            streamer.decode_pending()
+    client_summary = monitor.summary()
+    server_stats = httpx.get(f"{url}/servegrid/stats").json()
     failed = [r for r in records if r.error]
     added = np.array([(rx - tx) / 1e6 for r in records for rx, tx in zip(r.chunk_ns, r.chunk_server_ns, strict=True)])
     first = np.array([(r.chunk_ns[0] - r.chunk_server_ns[0]) / 1e6 for r in records if r.chunk_ns])
+    send_delay = np.array([(r.sent_ns - r.intended_send_ns) / 1e6 for r in records])
     events = int(sum(len(r.chunk_ns) for r in records))
     return {
         "streams": streams,
@@ -103,13 +136,16 @@ async def run_level(
         "added_per_token_ms_p50": float(np.percentile(added, 50)),
         "added_per_token_ms_p99": float(np.percentile(added, 99)),
         "added_per_token_ms_max": float(added.max()),
-        "client_cpu_fraction": client["cpu_fraction"],
-        "client_loop_lag_p99_ms": (client["loop_lag_p99_s"] or 0) * 1e3,
+        "send_delay_ms_p50": float(np.percentile(send_delay, 50)),
+        "send_delay_ms_p99": float(np.percentile(send_delay, 99)),
+        "client_cpu_fraction": client_summary["cpu_fraction"],
+        "client_loop_lag_p99_ms": (client_summary["loop_lag_p99_s"] or 0) * 1e3,
         "server_late_p99_ms": server_stats["late_p99_ms"],
     }
 
 
-TRANSPORTS = {"aiohttp": HttpxAiohttpClient, "httpcore": httpx.AsyncClient}
+# servegrid's path, then the usual one (stamped where the consumer gets the bytes) over each httpx transport.
+PATHS = {"servegrid": None, "httpx+aiohttp": HttpxAiohttpClient, "httpx": httpx.AsyncClient}
 
 
 def main() -> int:
@@ -131,15 +167,16 @@ def main() -> int:
             os.sched_setaffinity(0, {client_cpu})
         rows = []
         for streams in args.streams:
-            for transport, client_class in TRANSPORTS.items():
+            for path in PATHS:
                 url = f"http://127.0.0.1:{port}"
-                row = run_loop(run_level(url, streams, args.requests_per_stream, args.tokens, client_class))
-                row["transport"] = transport
+                row = run_loop(run_level(url, streams, args.requests_per_stream, args.tokens, path))
+                row["path"] = path
                 rows.append(row)
                 print(
-                    f"{transport:<8} {streams:>4} streams  {row['events_per_s']:>7,.0f} events/s  "
+                    f"{path:<13} {streams:>4} streams  {row['events_per_s']:>7,.0f} events/s  "
                     f"added TTFT p50/p99 {row['added_ttft_ms_p50']:6.2f}/{row['added_ttft_ms_p99']:6.2f} ms  "
                     f"per token p50/p99 {row['added_per_token_ms_p50']:6.2f}/{row['added_per_token_ms_p99']:6.2f} ms  "
+                    f"send delay p99 {row['send_delay_ms_p99']:6.2f} ms  "
                     f"client CPU {row['client_cpu_fraction']:4.0%}  "
                     f"loop lag p99 {row['client_loop_lag_p99_ms']:6.2f} ms  "
                     f"server late p99 {row['server_late_p99_ms'] or 0:6.2f} ms  failed {row['failed']}",
@@ -155,7 +192,7 @@ def main() -> int:
                    "requests_per_stream": args.requests_per_stream},
         "levels": rows,
     }  # fmt: skip
-    at_256 = next((r for r in rows if r["streams"] == 256 and r["transport"] == "aiohttp"), None)
+    at_256 = next((r for r in rows if r["streams"] == 256 and r["path"] == "servegrid"), None)
     if at_256:
         result["targets_at_256"] = {
             "added_p99_ms": at_256["added_per_token_ms_p99"],

@@ -42,7 +42,7 @@ import yaml
 
 from servegrid import aggregate, model, procs, records, server, stats
 from servegrid.cell import reset_prefix_cache, run_loop
-from servegrid.client import RequestRecord, Streamer
+from servegrid.client import RequestRecord, Streamer, streaming_session
 from servegrid.config import Experiment
 from servegrid.prompts import PromptBuilder
 
@@ -87,11 +87,8 @@ def warm_and_reset(url: str, served: str, label: str) -> None:
 
 async def servegrid_client(url: str, served: str, prompts: list[str], concurrency: int) -> list[RequestRecord]:
     """Closed loop, as servegrid's decode cells run: session s sends prompts s, s+c, s+2c, ..."""
-    limits = httpx.Limits(max_connections=concurrency + 2)
-    from httpx_aiohttp import HttpxAiohttpClient
-
-    async with HttpxAiohttpClient(limits=limits, timeout=600) as client:
-        streamer = Streamer(client, url)
+    async with streaming_session(concurrency + 2, 600) as session:
+        streamer = Streamer(session, url)
         done: list[RequestRecord] = []
 
         async def session(s: int) -> None:

@@ -153,9 +153,9 @@ def test_slipped_sends_are_flagged(sandbox, tmp_path, monkeypatch):
 
     original = Streamer.stream
 
-    async def late(self, path, payload, record):  # type: ignore[no-untyped-def]
+    async def late(self, path, payload, record, **kwargs):  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.03)  # the client holds every request back for 30 ms
-        await original(self, path, payload, record)
+        await original(self, path, payload, record, **kwargs)
 
     monkeypatch.setattr(Streamer, "stream", late)
     row, requests = _decode_cell(sandbox, tmp_path)
@@ -168,18 +168,18 @@ def test_slipped_sends_are_flagged(sandbox, tmp_path, monkeypatch):
 
 def test_an_overloaded_client_is_flagged(sandbox, tmp_path, monkeypatch):
     import time
-    import types
 
-    import orjson
+    from servegrid.client import StampingResponseHandler
 
-    def slow_loads(data):  # type: ignore[no-untyped-def]
-        end = time.perf_counter() + 0.015  # 15 ms of CPU per SSE event: the loop falls behind
+    original = StampingResponseHandler.data_received
+
+    def slow_read(self, data):  # type: ignore[no-untyped-def]
+        end = time.perf_counter() + 0.015  # 15 ms of CPU per socket read: the loop falls behind
         while time.perf_counter() < end:
             pass
-        return orjson.loads(data)
+        original(self, data)
 
-    slow_json = types.SimpleNamespace(loads=slow_loads, JSONDecodeError=orjson.JSONDecodeError)
-    monkeypatch.setattr("servegrid.client.orjson", slow_json)
+    monkeypatch.setattr(StampingResponseHandler, "data_received", slow_read)
     row, _ = _decode_cell(sandbox, tmp_path)
     assert bool(row["client_bottleneck"]) and not bool(row["valid"])
     assert "the client was the bottleneck" in row["invalid_reasons"]
@@ -222,3 +222,29 @@ def test_cpus_this_machine_lacks_are_named(sandbox):
     sandbox.cpus = [missing]
     with pytest.raises(server.ServerError, match=r"configurations.honest.cpus"):
         run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+
+
+def _fake_nvidia_smi(directory, monkeypatch, indices: list[int]) -> None:
+    """An nvidia-smi that answers servegrid's index query as a host with ``indices`` would."""
+    script = directory / "nvidia-smi"
+    script.write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(str(i) for i in indices) + "\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_gpus_the_host_lacks_are_named_before_any_server_starts(tmp_path, monkeypatch):
+    from servegrid import hostinfo, server
+
+    _fake_nvidia_smi(tmp_path, monkeypatch, [0])
+    assert hostinfo.gpu_indices() == [0]
+    server.check_gpus([0], "configurations.prefix_cache.gpus")
+    with pytest.raises(server.ServerError, match=r"configurations.mtp.gpus: GPU\(s\) \[1\] are not on this host"):
+        server.check_gpus([0, 1], "configurations.mtp.gpus")
+
+
+def test_without_nvidia_smi_gpus_are_not_checked(tmp_path, monkeypatch):
+    from servegrid import hostinfo, server
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert hostinfo.gpu_indices() is None
+    server.check_gpus([7], "configurations.any.gpus")

@@ -3,32 +3,98 @@
 from __future__ import annotations
 
 import asyncio
-import random
+import gc
 
 import httpx
 import pytest
 
 from servegrid.calibration import Script
-from servegrid.client import RequestRecord, SSEDecoder, Streamer
+from servegrid.client import (
+    CollectorPause,
+    RequestRecord,
+    StartPacer,
+    Streamer,
+    decode_stream,
+    sse_events,
+    streaming_session,
+)
 
 EVENTS = [b'data: {"a": 1}\n\n', b'data: {"b": 2}\r\n\r\n', b": keep-alive comment\n\n", b"data: [DONE]\n\n"]
 
 
-def test_sse_decoder_reassembles_events_split_anywhere():
-    stream = b"".join(EVENTS)
-    expected = [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
-    rng = random.Random(3)
-    for _ in range(200):
-        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(0, 8)))
-        pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
-        decoder = SSEDecoder()
-        got = [payload for piece in pieces for payload in decoder.feed(piece)]
-        assert got == expected
-        assert decoder.pending == b""
+def test_sse_events_come_with_the_offset_just_past_their_end():
+    body = b"".join(EVENTS)
+    ends = [len(b"".join(EVENTS[: i + 1])) for i in range(len(EVENTS))]
+    assert list(sse_events(body)) == [(ends[0], b'{"a": 1}'), (ends[1], b'{"b": 2}'), (ends[3], b"[DONE]")]
 
 
-def test_sse_decoder_joins_multiline_data_fields():
-    assert list(SSEDecoder().feed(b"data: line one\ndata: line two\n\n")) == [b"line one\nline two"]
+def test_sse_events_join_multiline_data_fields_and_skip_an_unfinished_event():
+    first = b"data: line one\ndata: line two\n\n"
+    assert list(sse_events(first + b"data: cut")) == [(len(first), b"line one\nline two")]
+
+
+def _usage_event(tokens: int) -> bytes:
+    return b'data: {"choices":[{"text":"x"}],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n' % tokens
+
+
+def test_each_event_takes_the_stamp_of_the_read_that_completed_it():
+    events = [_usage_event(1), _usage_event(3), _usage_event(4), b"data: [DONE]\n\n"]
+    body = b"".join(events)
+    first, second = len(events[0]), len(events[0]) + len(events[1])
+    # Read 1 ends inside event 1; read 2 completes events 1 and 2; read 3 brings the rest.
+    reads = [(100, first - 5), (200, second), (300, len(body))]
+    record = _record(4)
+    decode_stream(body, reads, record)
+    assert record.chunk_ns == [200, 200, 300]
+    assert record.chunk_tokens == [1, 2, 1]  # usage.completion_tokens grows by the tokens each chunk carries
+    assert record.output_tokens_reported == 4 and record.prompt_tokens_reported == 3
+
+
+def test_bytes_no_read_accounts_for_are_an_error_not_a_guess():
+    with pytest.raises(RuntimeError, match="no longer calls StampingResponseHandler"):
+        decode_stream(_usage_event(1), [(100, 10)], _record(1))
+
+
+def test_the_pacer_starts_one_request_per_loop_iteration():
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        iteration = [0]
+
+        def tick() -> None:  # runs once per loop iteration
+            iteration[0] += 1
+            loop.call_soon(tick)
+
+        loop.call_soon(tick)
+        pacer = StartPacer(per_iteration=2)
+        started: list[int] = []
+
+        async def request() -> None:
+            await pacer.turn()
+            started.append(iteration[0])
+
+        await asyncio.gather(*(request() for _ in range(9)))
+        return started
+
+    started = asyncio.run(main())
+    assert len(started) == 9
+    assert max(started.count(i) for i in set(started)) <= 2
+    assert len(set(started)) >= 5
+
+
+def test_the_collector_is_paused_while_timing_and_left_as_it_was():
+    assert gc.isenabled()
+    pause = CollectorPause()
+    pause.start()
+    assert not gc.isenabled()
+    pause.stop()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        pause.start()
+        pause.stop()
+        assert not gc.isenabled()  # someone else had turned it off: it stays off
+    finally:
+        gc.enable()
 
 
 def _record(output_tokens: int = 12) -> RequestRecord:
@@ -36,8 +102,8 @@ def _record(output_tokens: int = 12) -> RequestRecord:
 
 
 async def _stream(url: str, payload: dict, record: RequestRecord, path: str = "/v1/completions") -> None:
-    async with httpx.AsyncClient(timeout=10) as client:
-        await Streamer(client, url).stream(path, payload, record)
+    async with streaming_session(4, 10) as session:
+        await Streamer(session, url).stream(path, payload, record)
 
 
 @pytest.mark.parametrize("tokens_per_chunk", [1, 3])
@@ -82,7 +148,7 @@ def test_streamer_records_http_errors_without_raising(calibration):
 def test_streamer_records_connection_errors():
     record = _record()
     asyncio.run(_stream("http://127.0.0.1:9", {"model": "m", "prompt": [1]}, record))
-    assert record.error and "ConnectError" in record.error
+    assert record.error and "ClientConnectorError" in record.error
     assert record.end_ns is not None
 
 
@@ -91,8 +157,8 @@ def test_calibration_server_keeps_its_script_and_says_how_late_it_was(calibratio
         records = [_record(10) for _ in range(4)]
 
         async def four_streams() -> None:
-            async with httpx.AsyncClient(timeout=10) as client:
-                streamer = Streamer(client, srv.url)
+            async with streaming_session(8, 10) as session:
+                streamer = Streamer(session, srv.url)
                 payload = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 10}
                 await asyncio.gather(*(streamer.stream("/v1/completions", payload, r) for r in records))
 

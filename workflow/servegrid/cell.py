@@ -16,7 +16,7 @@ import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import metrics, records, server
-from servegrid.client import ClientMonitor, RequestRecord, Streamer
+from servegrid.client import ClientMonitor, CollectorPause, RequestRecord, Streamer, streaming_session
 from servegrid.config import Cell, Experiment
 from servegrid.prompts import PromptBuilder
 from servegrid.workloads import WORKLOADS, WorkloadContext
@@ -63,7 +63,6 @@ async def measure(
     cache with fresh prompts. ``settings`` is :meth:`Experiment.cell_settings`' shape."""
     headers = headers or {}
     concurrency = settings["concurrency"]
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     timeout = httpx.Timeout(operations["request_timeout_s"], connect=30.0)
     all_records: list[RequestRecord] = []
     repeats: list[dict[str, Any]] = []
@@ -77,11 +76,15 @@ async def measure(
             return list(response.json()["tokens"])
 
         corpus = PromptBuilder(tokenize, settings["workload"]["seed"], corpus_tokens_needed(settings))
-        # httpx's API over aiohttp's transport: the default (httpcore) transport saturated one core at about
-        # 4,000 SSE events/s, aiohttp's at about 20,000 (benchmarks/client_overhead.py measures both).
-        async with HttpxAiohttpClient(limits=limits, timeout=timeout, headers=headers) as client:
+        # Control calls (/metrics, /reset_prefix_cache) go through httpx's API over aiohttp's transport;
+        # the measured streams through aiohttp itself, whose connections stamp every socket read
+        # (servegrid.client; benchmarks/client_overhead.py measures what each path adds).
+        async with (
+            HttpxAiohttpClient(timeout=timeout, headers=headers) as client,
+            streaming_session(concurrency + 4, operations["request_timeout_s"], headers) as session,
+        ):
             sampler = metrics.GaugeSampler(client, url, model, operations["metrics_interval_s"])
-            monitor = ClientMonitor()
+            monitor, collector = ClientMonitor(), CollectorPause()
             for repeat in range(settings["workload"]["repeats"]):
                 cache_state = reset_prefix_cache(sync_client, url)
                 ctx = WorkloadContext(
@@ -91,26 +94,30 @@ async def measure(
                     workload=settings["workload"],
                     temperature=settings["sampling"]["temperature"],
                     model=model,
-                    streamer=Streamer(client, url),
+                    streamer=Streamer(session, url),
                     builder=corpus.fresh(),
                     sync_client=sync_client,
                     url=url,
                 )
                 state: dict[str, Any] = {}
 
-                async def begin_measurement(state: dict[str, Any] = state) -> None:
+                async def begin_measurement(state: dict[str, Any] = state, streamer: Streamer = ctx.streamer) -> None:
+                    await streamer.open_connections(concurrency)
                     state["before"] = await metrics.scrape(client, url, model)
                     state["t0_ns"] = time.monotonic_ns()
                     state["first_sample"] = sampler.count
                     sampler.start()
                     monitor.start()
+                    collector.start()
 
                 try:
                     await WORKLOADS[settings["mode"]](ctx, begin_measurement)
                 finally:
+                    collector.stop()
                     await monitor.stop()
                     await sampler.stop()
                 t1_ns = time.monotonic_ns()
+                ctx.streamer.decode_pending()
                 if "t0_ns" not in state:
                     raise CellError("the workload ended before its measured phase began")
                 after = await metrics.scrape(client, url, model)

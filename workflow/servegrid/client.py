@@ -1,69 +1,107 @@
 """Streaming OpenAI-compatible client with per-chunk timestamps.
 
 Timing rules (all clocks are ``time.monotonic_ns``, system-wide on Linux):
-- ``sent`` is taken immediately before the request is handed to httpx;
-- every network read is stamped the moment the transport yields it, before any
-  decoding or JSON parsing (orjson: 1.6 µs per vLLM chunk against the standard
-  library's 6 µs); each SSE event inherits the stamp of the read that completed it;
+- ``sent`` is taken immediately before the request is handed to aiohttp;
+- every socket read is stamped inside the connection's ``data_received``, the
+  first Python code that sees the bytes, before HTTP parsing, before any task
+  wakes up and before any decoding (:class:`StampingResponseHandler`);
+- each SSE event takes the stamp of the read that completed it; events are
+  decoded after the stream ends (orjson), so decoding never delays a stamp;
 - a chunk's token count is the increase of ``usage.completion_tokens``
   (``stream_options.continuous_usage_stats``), so a chunk that carries several
   speculative tokens is counted as such, not as one.
+
+Stamping at the read rather than where a consumer task resumes is what keeps
+stamps honest when many streams burst at once: the loop runs every socket's
+``data_received`` before it resumes any consumer, so a stamp waits for the
+other sockets' reads (microseconds each), not for other streams' decoding
+(benchmarks/client_overhead.py measures both, side by side).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import collections
 import contextlib
+import functools
+import gc
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import httpx
 import orjson
 import psutil
+from aiohttp.client_proto import ResponseHandler
 
 from servegrid import stats
 
+# Events end at a blank line; vLLM sends "\n\n", other servers may send "\r\n\r\n".
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
-class SSEDecoder:
-    """Incremental Server-Sent-Events framing: bytes in, ``data:`` payloads out.
 
-    Events end at a blank line; vLLM sends ``\n\n``, other servers may send
-    ``\r\n\r\n``. The common case costs one ``find`` per event.
+def sse_events(body: bytes) -> Iterator[tuple[int, bytes]]:
+    """Server-Sent-Events framing: each event's ``data:`` payload, with the offset just past its end."""
+    start = 0
+    for end in _EVENT_END.finditer(body):
+        event = body[start : end.start()]
+        start = end.end()
+        if event.startswith(b"data:") and b"\n" not in event and b"\r" not in event:  # the usual case
+            yield start, event[5:].lstrip(b" ")
+            continue
+        payload = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
+        if payload:
+            yield start, b"\n".join(payload)
+
+
+class StampingResponseHandler(ResponseHandler):
+    """aiohttp's per-connection protocol, stamping every read of a response body as it arrives.
+
+    ``reads[body stream]`` gets ``(monotonic ns, body bytes received so far)``
+    per socket read; :class:`Streamer` pops its response's list when done.
     """
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    def __init__(self, *args: Any, reads: dict[Any, list[tuple[int, int]]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reads = reads
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        buffer = self._buffer + data if self._buffer else data
-        crlf = b"\r" in buffer
-        while True:
-            end, sep_len = _event_end(buffer) if crlf else (buffer.find(b"\n\n"), 2)
-            if end < 0:
-                break
-            event, buffer = buffer[:end], buffer[end + sep_len :]
-            if event.startswith(b"data:") and b"\n" not in event:  # one data line: the usual case
-                yield event[5:].lstrip(b" ")
-                continue
-            payload = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
-            if payload:
-                yield b"\n".join(payload)
-        self._buffer = buffer
-
-    @property
-    def pending(self) -> bytes:
-        return self._buffer
+    def data_received(self, data: bytes) -> None:
+        arrived = time.monotonic_ns()
+        super().data_received(data)
+        # aiohttp keeps the body stream of the response being parsed in _payload (3.x).
+        body = self._payload
+        if body is not None and data:
+            self._reads.setdefault(body, []).append((arrived, body.total_bytes))
 
 
-def _event_end(buffer: bytes) -> tuple[int, int]:
-    """Index and length of the first blank-line separator, or (-1, 0)."""
-    candidates = [(buffer.find(sep), len(sep)) for sep in (b"\n\n", b"\r\n\r\n", b"\r\r")]
-    found = [c for c in candidates if c[0] >= 0]
-    return min(found) if found else (-1, 0)
+class StampingConnector(aiohttp.TCPConnector):
+    """A TCP connector that makes every connection a :class:`StampingResponseHandler`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reads: dict[Any, list[tuple[int, int]]] = {}
+        if not hasattr(self, "_factory"):
+            raise RuntimeError(
+                f"aiohttp {aiohttp.__version__} has no TCPConnector._factory; servegrid needs it to stamp reads"
+            )
+        # aiohttp has no public hook for the protocol class; _factory is what it calls per connection (3.x).
+        self._factory = functools.partial(StampingResponseHandler, loop=asyncio.get_running_loop(), reads=self.reads)
+
+
+def streaming_session(
+    connections: int, request_timeout_s: float, headers: dict[str, str] | None = None
+) -> aiohttp.ClientSession:
+    """The session :class:`Streamer` needs: stamping connections, ``connections`` of them at most."""
+    return aiohttp.ClientSession(
+        connector=StampingConnector(limit=connections),
+        # Like httpx's read timeout: the longest silence, so a long stream is never cut off while it flows.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout_s),
+        headers=headers or {},
+    )
 
 
 @dataclass
@@ -99,71 +137,184 @@ class RequestRecord:
         return self.chunk_ns[0] if self.chunk_ns else None
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
+class StartPacer:
+    """Lets at most ``per_iteration`` requests start per event-loop iteration.
+
+    Starting a request costs aiohttp about 0.15 ms of CPU. When hundreds of
+    closed-loop sessions finish together and all start their next request in
+    one iteration, the loop would not poll its sockets for tens of
+    milliseconds, and every read arriving meanwhile would be stamped that much
+    late, with nothing to show for it. Paced, the loop polls between starts:
+    reads keep honest stamps, and the sends that wait are recorded (``sent``
+    against ``intended_send``) and flagged when they slip too far. At 256
+    streams, one start per iteration gave the lowest added p99 (0.9-1.2 ms,
+    against 1.8-3.1 ms with eight); 32 sessions starting together wait about
+    5 ms for the last of them.
+    """
+
+    def __init__(self, per_iteration: int = 1) -> None:
+        self.per_iteration = per_iteration
+        self._started = 0
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._next_scheduled = False
+
+    async def turn(self) -> None:
+        if not self._waiting and self._started < self.per_iteration:
+            self._take()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        await waiter
+
+    def _take(self) -> None:
+        self._started += 1
+        if not self._next_scheduled:
+            self._next_scheduled = True
+            asyncio.get_running_loop().call_soon(self._next_iteration)
+
+    def _next_iteration(self) -> None:
+        self._next_scheduled = False
+        self._started = 0
+        while self._waiting and self._started < self.per_iteration:
+            waiter = self._waiting.popleft()
+            if not waiter.done():  # a cancelled request gave up its turn
+                waiter.set_result(None)
+                self._take()
+
+
 class Streamer:
-    """Sends one streaming request and fills a :class:`RequestRecord`."""
+    """Sends streaming requests and fills in one :class:`RequestRecord` per request.
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str) -> None:
-        self.client = client
+    With ``decode=False`` a stream's events are decoded by :meth:`decode_pending`
+    instead, once the measured phase is over, so that hundreds of streams ending
+    together do not hold the loop (and the other streams' stamps) while they decode.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        if not isinstance(session.connector, StampingConnector):
+            raise TypeError("Streamer needs a session from servegrid.client.streaming_session()")
+        self.session = session
+        self.reads = session.connector.reads
         self.base_url = base_url.rstrip("/")
+        self.pacer = StartPacer()
+        self._pending: list[tuple[bytes, list[tuple[int, int]], RequestRecord]] = []
 
-    async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord) -> None:
-        payload = {
-            **payload,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        }
-        decoder = SSEDecoder()
-        tokens_so_far = 0
-        text_parts: list[str] = []
+    async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord, decode: bool = True) -> None:
+        body = orjson.dumps(
+            {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        )
+        await self.pacer.turn()
         record.sent_ns = time.monotonic_ns()
         try:
-            async with self.client.stream("POST", self.base_url + path, json=payload) as response:
-                record.http_status = response.status_code
-                if response.status_code != 200:
-                    body = (await response.aread())[:1000].decode("utf-8", "replace")
-                    record.error = f"HTTP {response.status_code}: {body}"
-                    record.end_ns = time.monotonic_ns()
-                    return
-                # The transport's reads as they come (httpx's aiter_raw adds only bookkeeping per read);
-                # aiohttp also yields an empty read at every HTTP chunk boundary.
-                async for raw in response.stream:  # type: ignore[union-attr]
-                    if not raw:
-                        continue
-                    arrived = time.monotonic_ns()
-                    for data in decoder.feed(raw):
-                        if data == b"[DONE]":
-                            continue
-                        event = orjson.loads(data)
-                        if "error" in event:
-                            record.error = f"stream error: {json.dumps(event['error'])[:500]}"
-                            continue
-                        usage = event.get("usage") or {}
-                        for choice in event.get("choices") or ():
-                            text_parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-                            if choice.get("finish_reason"):
-                                record.finish_reason = choice["finish_reason"]
-                        if "completion_tokens" in usage:
-                            new_tokens = usage["completion_tokens"] - tokens_so_far
-                            tokens_so_far = usage["completion_tokens"]
-                            record.prompt_tokens_reported = usage.get("prompt_tokens")
-                            record.output_tokens_reported = tokens_so_far
-                        else:
-                            new_tokens = 0
-                        if new_tokens > 0:
-                            record.chunk_ns.append(arrived)
-                            record.chunk_tokens.append(new_tokens)
-                            if "servegrid_sent_ns" in event:
-                                record.chunk_server_ns.append(event["servegrid_sent_ns"])
-                record.end_ns = time.monotonic_ns()
-        except (httpx.HTTPError, aiohttp.ClientError, TimeoutError) as exc:  # aiohttp's, when it is the transport
+            async with self.session.post(self.base_url + path, data=body, headers=_JSON) as response:
+                record.http_status = response.status
+                try:
+                    raw = await response.content.read()
+                finally:
+                    reads = self.reads.pop(response.content, [])
+        except (aiohttp.ClientError, TimeoutError) as exc:
             record.end_ns = time.monotonic_ns()
             record.error = f"{type(exc).__name__}: {exc}"[:1000]
-        except orjson.JSONDecodeError as exc:
-            record.end_ns = time.monotonic_ns()
-            record.error = f"malformed SSE payload: {exc}"
-        record.text = "".join(text_parts)
-        if record.error is None and record.output_tokens_reported is None:
-            record.error = "stream ended without usage (the server must honour stream_options.continuous_usage_stats)"
+            return
+        record.end_ns = reads[-1][0] if reads else time.monotonic_ns()
+        if record.http_status != 200:
+            record.error = f"HTTP {record.http_status}: {raw[:1000].decode('utf-8', 'replace')}"
+        elif decode:
+            _decode_into(raw, reads, record)
+        else:
+            self._pending.append((raw, reads, record))
+
+    async def open_connections(self, count: int) -> None:
+        """Fill the keep-alive pool with ``count`` connections (``GET /health`` on each).
+
+        Run before a measured phase so its sessions do not all connect at once:
+        hundreds of connects completing together would send their requests in one
+        loop iteration, past the pacer, and hold the loop as long.
+        """
+
+        async def health() -> None:
+            async with self.session.get(self.base_url + "/health") as response:
+                await response.read()
+
+        # Held open together, each GET needs its own connection.
+        await asyncio.gather(*(health() for _ in range(count)))
+
+    def decode_pending(self) -> None:
+        """Decode the streams that :meth:`stream` was told not to decode yet."""
+        pending, self._pending = self._pending, []
+        for raw, reads, record in pending:
+            _decode_into(raw, reads, record)
+
+
+def _decode_into(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
+    try:
+        decode_stream(raw, reads, record)
+    except orjson.JSONDecodeError as exc:
+        record.error = f"malformed SSE payload: {exc}"
+    if record.error is None and record.output_tokens_reported is None:
+        record.error = "stream ended without usage (the server must honour stream_options.continuous_usage_stats)"
+
+
+def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
+    """Fill ``record`` from a whole SSE body and the stamped reads it arrived in."""
+    received = [total for _, total in reads]
+    if raw and (not reads or received[-1] < len(raw)):
+        raise RuntimeError(
+            f"{len(raw)} body bytes but reads stamped up to {received[-1] if reads else 0}: "
+            f"aiohttp {aiohttp.__version__} no longer calls StampingResponseHandler as servegrid expects"
+        )
+    tokens_so_far = 0
+    text_parts: list[str] = []
+    for end, data in sse_events(raw):
+        if data == b"[DONE]":
+            continue
+        event = orjson.loads(data)
+        if "error" in event:
+            record.error = f"stream error: {json.dumps(event['error'])[:500]}"
+            continue
+        for choice in event.get("choices") or ():
+            text_parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            if choice.get("finish_reason"):
+                record.finish_reason = choice["finish_reason"]
+        usage = event.get("usage") or {}
+        if "completion_tokens" not in usage:
+            continue
+        new_tokens = usage["completion_tokens"] - tokens_so_far
+        tokens_so_far = usage["completion_tokens"]
+        record.prompt_tokens_reported = usage.get("prompt_tokens")
+        record.output_tokens_reported = tokens_so_far
+        if new_tokens > 0:
+            record.chunk_ns.append(reads[bisect.bisect_left(received, end)][0])
+            record.chunk_tokens.append(new_tokens)
+            if "servegrid_sent_ns" in event:
+                record.chunk_server_ns.append(event["servegrid_sent_ns"])
+    record.text = "".join(text_parts)
+
+
+class CollectorPause:
+    """Python's cyclic garbage collector off while streams are timed.
+
+    A full collection over a cell's records held the loop for up to 78 ms at
+    256 streams (benchmarks/client_overhead.py), and every read that arrived
+    meanwhile was stamped that late. Reference counting still frees nearly
+    everything at once; what is left in cycles is collected when timing stops.
+    """
+
+    def __init__(self) -> None:
+        self._was_enabled = False
+
+    def start(self) -> None:
+        self._was_enabled = self._was_enabled or gc.isenabled()
+        gc.disable()
+
+    def stop(self) -> None:
+        if self._was_enabled:
+            gc.enable()
+            gc.collect()
+        self._was_enabled = False
 
 
 class ClientMonitor:

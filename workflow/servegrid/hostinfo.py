@@ -24,6 +24,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def gpu_indices() -> list[int] | None:
+    """The GPU indices nvidia-smi lists (the numbering CUDA_VISIBLE_DEVICES uses), or None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sorted(int(line) for line in out.split() if line.strip().isdigit())
+
+
 def gpus(indices: list[int]) -> list[dict[str, str]]:
     """Name and memory of the given GPUs, from nvidia-smi when there is one."""
     if not indices or shutil.which("nvidia-smi") is None:

@@ -310,9 +310,22 @@ def check_cpus(cpus: list[int], key: str) -> None:
         raise ServerError(f"{key}: CPU(s) {missing} are not available here (this process may use {sorted(allowed)})")
 
 
+def check_gpus(gpus: list[int], key: str) -> None:
+    """Fail, naming ``key``, when ``gpus`` asks for GPUs nvidia-smi does not list.
+
+    A 27B model takes minutes to load before vLLM finds its GPU missing; this takes a second.
+    Hosts without nvidia-smi are not checked.
+    """
+    present = hostinfo.gpu_indices()
+    missing = sorted(set(gpus) - set(present)) if present is not None else []
+    if missing:
+        raise ServerError(f"{key}: GPU(s) {missing} are not on this host (nvidia-smi lists {present})")
+
+
 def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.ProcessRef | None) -> ServerFacts:
     configuration = spec["configuration"]
     check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
+    check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
     port = _pick_port(runtime)
     session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     log_dir = Path(paths.server_log_dir(configuration))

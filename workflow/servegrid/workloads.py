@@ -74,7 +74,8 @@ class WorkloadContext:
         }
 
     async def complete(self, record: RequestRecord, prompt: list[int]) -> None:
-        await self.streamer.stream("/v1/completions", self.completion_payload(prompt), record)
+        """Send ``prompt``; its stream is decoded once the cell's streams are over (Streamer.decode_pending)."""
+        await self.streamer.stream("/v1/completions", self.completion_payload(prompt), record, decode=False)
 
     def may_start(self, start_ns: int) -> bool:
         """False once the measured phase has run for ``duration_s`` (when set)."""
