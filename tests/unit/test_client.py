@@ -170,3 +170,22 @@ def test_calibration_server_keeps_its_script_and_says_how_late_it_was(calibratio
         assert record.chunk_tokens == [2] * 5
         gaps = [(b - a) / 1e6 for a, b in zip(record.chunk_server_ns, record.chunk_server_ns[1:], strict=False)]
         assert all(7 <= g <= 40 for g in gaps), gaps  # 10 ms ± 2 ms jitter, written on schedule
+
+
+def test_streams_leave_no_read_stamps_behind(calibration):
+    with calibration(Script(ttft_s=0.01, interval_s=0.002)) as srv:
+        records = [_record(5) for _ in range(3)]
+
+        async def three_streams() -> dict:
+            async with streaming_session(8, 10) as session:
+                streamer = Streamer(session, srv.url)
+                await streamer.open_connections(3)
+                payload = {"model": "m", "prompt": [1, 2], "max_tokens": 5}
+                await asyncio.gather(*(streamer.stream("/v1/completions", payload, r, decode=False) for r in records))
+                assert all(r.chunk_ns == [] for r in records)  # not decoded yet
+                streamer.decode_pending()
+                return dict(streamer.reads)
+
+        assert asyncio.run(three_streams()) == {}
+    assert all(r.error is None and r.chunk_tokens == [1] * 5 for r in records)
+    assert all(r.end_ns >= r.chunk_ns[-1] >= r.chunk_ns[0] > r.sent_ns for r in records)

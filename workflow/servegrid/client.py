@@ -238,6 +238,7 @@ class Streamer:
         async def health() -> None:
             async with self.session.get(self.base_url + "/health") as response:
                 await response.read()
+                self.reads.pop(response.content, None)
 
         # Held open together, each GET needs its own connection.
         await asyncio.gather(*(health() for _ in range(count)))
