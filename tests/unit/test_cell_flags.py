@@ -225,9 +225,14 @@ def test_cpus_this_machine_lacks_are_named(sandbox):
 
 
 def _fake_nvidia_smi(directory, monkeypatch, indices: list[int]) -> None:
-    """An nvidia-smi that answers servegrid's index query as a host with ``indices`` would."""
+    """An nvidia-smi that answers servegrid's two queries as a host with ``indices`` would
+    (the description line is what the H200 host printed on 2026-11-29)."""
     script = directory / "nvidia-smi"
-    script.write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(str(i) for i in indices) + "\n")
+    script.write_text(
+        "#!/bin/sh\n"
+        "if [ \"$1\" = --query-gpu=index ]; then printf '%s\\n' " + " ".join(str(i) for i in indices) + "\n"
+        "else echo '0, NVIDIA H200, 143771 MiB, 580.159.04'; fi\n"
+    )
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
 
@@ -237,6 +242,7 @@ def test_gpus_the_host_lacks_are_named_before_any_server_starts(tmp_path, monkey
 
     _fake_nvidia_smi(tmp_path, monkeypatch, [0])
     assert hostinfo.gpu_indices() == [0]
+    assert hostinfo.gpus([0]) == [{"index": "0", "name": "NVIDIA H200", "memory": "143771 MiB", "driver": "580.159.04"}]
     server.check_gpus([0], "configurations.prefix_cache.gpus")
     with pytest.raises(server.ServerError, match=r"configurations.mtp.gpus: GPU\(s\) \[1\] are not on this host"):
         server.check_gpus([0, 1], "configurations.mtp.gpus")

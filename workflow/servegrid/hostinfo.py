@@ -24,45 +24,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def gpu_indices() -> list[int] | None:
-    """The GPU indices nvidia-smi lists (the numbering CUDA_VISIBLE_DEVICES uses), or None without nvidia-smi."""
+def _nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output for ``args``, or None where there is no nvidia-smi or it fails."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return sorted(int(line) for line in out.split() if line.strip().isdigit())
+
+
+def gpu_indices() -> list[int] | None:
+    """The GPU indices nvidia-smi lists (the numbering CUDA_VISIBLE_DEVICES uses), or None without nvidia-smi."""
+    out = _nvidia_smi("--query-gpu=index", "--format=csv,noheader")
+    return None if out is None else sorted(int(line) for line in out.split() if line.strip().isdigit())
 
 
 def gpus(indices: list[int]) -> list[dict[str, str]]:
     """Name and memory of the given GPUs, from nvidia-smi when there is one."""
-    if not indices or shutil.which("nvidia-smi") is None:
+    if not indices:
         return []
-    try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                "--query-gpu=index,name,memory.total,driver_version",
-                "--format=csv,noheader",
-                "-i",
-                ",".join(str(i) for i in indices),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
+    out = _nvidia_smi(
+        "--query-gpu=index,name,memory.total,driver_version",
+        "--format=csv,noheader",
+        "-i",
+        ",".join(str(i) for i in indices),
+    )
     rows = []
-    for line in out.strip().splitlines():
+    for line in (out or "").strip().splitlines():
         index, name, memory, driver = (part.strip() for part in line.split(","))
         rows.append({"index": index, "name": name, "memory": memory, "driver": driver})
     return rows
