@@ -23,7 +23,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
-from servegrid import atomic
+from servegrid import atomic, stats
 from servegrid.catalogues import format_number, load_catalog
 from servegrid.config import Experiment
 
@@ -169,7 +169,7 @@ class Painter:
             ax.bar(base, rows["probe_first_ttft_s"], width, color=self.colours[label], label=label)
             ax.bar(base + width, rows["probe_second_ttft_s"], width, color=self.colours[label], alpha=0.45, hatch="//")
             for x, value in zip(base + width, rows["probe_second_ttft_s"], strict=True):
-                if value == value:
+                if not stats.missing(value):
                     ax.annotate(self.number(value), (x, value), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(np.arange(len(contexts)))
         ax.set_xticklabels([self.number(c, 0) for c in contexts])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import math
 import subprocess
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,7 +26,7 @@ import pandas as pd
 from babel import Locale
 from babel.dates import format_date, format_datetime
 
-from servegrid import atomic
+from servegrid import atomic, stats
 from servegrid.catalogues import REPORT_ROOT, format_number, load_catalog
 from servegrid.config import Experiment, canonical_json
 from servegrid.figures import FORMATS, figure_specs
@@ -42,7 +41,7 @@ class Formatter:
     locale: Locale
 
     def num(self, value: Any, digits: int = 1) -> str:
-        return "–" if _missing(value) else format_number(value, digits, self.locale)
+        return "–" if stats.missing(value) else format_number(value, digits, self.locale)
 
     def integer(self, value: Any) -> str:
         return self.num(value, 0)
@@ -52,18 +51,18 @@ class Formatter:
         return text if text == "–" else f"{text}×"
 
     def seconds(self, value: Any) -> str:
-        if _missing(value):
+        if stats.missing(value):
             return "–"
         digits = 2 if abs(value) < 10 else 1
         return f"{self.num(value, digits)} s"
 
     def ms(self, value: Any) -> str:
-        if _missing(value):
+        if stats.missing(value):
             return "–"
         return f"{self.num(value * 1000, 1)} ms"
 
     def percent(self, value: Any) -> str:
-        if _missing(value):
+        if stats.missing(value):
             return "–"
         return f"{self.num(value * 100, 0)} %" if self.locale.language == "hu" else f"{self.num(value * 100, 0)}%"
 
@@ -98,7 +97,9 @@ class ReportData:
         """Rows as dicts with NaN turned into None, so templates can test ``is none``."""
         if frame.empty:
             return []
-        return [{k: (None if _missing(v) else v) for k, v in _plain(row).items()} for row in frame.to_dict("records")]
+        return [
+            {k: (None if stats.missing(v) else v) for k, v in _plain(row).items()} for row in frame.to_dict("records")
+        ]
 
     def verdict_classes(self) -> list[dict[str, Any]]:
         """The verdict table: classes that have data."""
@@ -193,10 +194,6 @@ class ReportData:
         if not confined_servers and not self.experiment.operations["client_cpus"]:
             return None
         return {"server": " / ".join(servers), "client": " / ".join(clients)}
-
-
-def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:

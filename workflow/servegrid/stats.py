@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from scipy import stats as sps
@@ -10,6 +11,11 @@ from scipy import stats as sps
 QUANTILES = (50, 90, 99)
 CONFIDENCE = 0.95
 RESAMPLES = 2000
+
+
+def missing(value: Any) -> bool:
+    """None or a NaN scalar, as a Parquet cell with no value arrives; lists and arrays never are."""
+    return value is None or (isinstance(value, float | np.floating) and bool(np.isnan(value)))
 
 
 def percentiles(values: Sequence[float] | np.ndarray, qs: Sequence[int] = QUANTILES) -> dict[str, float | None]:

@@ -225,6 +225,4 @@ def crossovers(comparisons: pd.DataFrame, roles: dict[str, str], rules: VerdictR
 
 
 def _none_if_nan(value: Any) -> float | None:
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return None
-    return float(value)
+    return None if stats.missing(value) else float(value)
