@@ -20,6 +20,12 @@ per-chunk gaps that upstream calls ITL.
 
     .venv/bin/python benchmarks/upstream_compare.py [--rounds 4] [--requests 16] [--out benchmarks/out]
 
+On a GPU host, name its config and the interpreter of its vLLM: the servers
+are then the config's own (model, engine, GPUs), and `vllm bench serve` runs
+from that vLLM:
+
+    .venv/bin/python benchmarks/upstream_compare.py --config config.yaml --vllm-python /opt/vllm/bin/python
+
 Target (issue 6): within ±3% on TTFT and TPOT. The script also prints each
 client against itself (even rounds over odd rounds): the noise floor below
 which no comparison on this server can resolve a difference.
@@ -52,12 +58,17 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 1024, 128
 EXTRA_BODY = {"min_tokens": OUTPUT_TOKENS, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
-def experiment(out: Path) -> Experiment:
+def experiment(out: Path, config: Path | None, vllm_python: Path) -> Experiment:
+    """The config's experiment as it is; without one, the CPU demo's, with its tiny model built under ``out``."""
+    if config is not None:
+        return Experiment.from_file(config)
     raw = yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text())
     raw["model"]["path"] = str(out / "model")
-    raw["engine"]["command"][0] = str(VLLM_PYTHON)
+    raw["engine"]["command"][0] = str(vllm_python)
     raw["engine"]["args"] = ["--load-format", "dummy", "--max-model-len", "4096"]
-    return Experiment(raw, source="upstream_compare")
+    exp = Experiment(raw, source="upstream_compare")
+    model.build(out / "model", model.TinyModelSpec(**exp.tiny_model_spec()))
+    return exp
 
 
 def client_cores(exp: Experiment) -> set[int]:
@@ -117,15 +128,15 @@ def servegrid_run(url: str, served: str, prompts: list[str], concurrency: int) -
     }
 
 
-def upstream_run(url: str, served: str, model_dir: Path, prompts: list[str], concurrency: int,
-                 out: Path) -> dict[str, list[float]]:  # fmt: skip
+def upstream_run(url: str, served: str, tokenizer: str, prompts: list[str], concurrency: int,
+                 out: Path, vllm_python: Path) -> dict[str, list[float]]:  # fmt: skip
     stamp = time.monotonic_ns()
     dataset = out / f"prompts-{stamp}.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     result = out / f"upstream-{stamp}.json"
     done = subprocess.run(
-        [str(VLLM_PYTHON), str(REPO / "benchmarks" / "upstream_bench.py"), "--backend", "vllm",
-         "--base-url", url, "--model", served, "--tokenizer", str(model_dir),
+        [str(vllm_python), str(REPO / "benchmarks" / "upstream_bench.py"), "--backend", "vllm",
+         "--base-url", url, "--model", served, "--tokenizer", tokenizer,
          "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", str(OUTPUT_TOKENS),
          "--skip-chat-template", "--no-oversample", "--num-prompts", str(len(prompts)),
          "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
@@ -141,6 +152,11 @@ def upstream_run(url: str, served: str, model_dir: Path, prompts: list[str], con
     dataset.unlink()
     tpots = [sum(itl) / (n - 1) for itl, n in zip(data["itls"], data["output_lens"], strict=True) if n > 1 and itl]
     return {"ttft": [t for t in data["ttfts"] if t], "tpot": tpots, "chunk_gap": [g for i in data["itls"] for g in i]}
+
+
+def interval(bounds: tuple[float | None, float | None]) -> str:
+    low, high = bounds
+    return "no CI: too few values" if low is None or high is None else f"CI {low:.3f}-{high:.3f}"
 
 
 def ratio_row(name: str, concurrency: int, ours: dict, theirs: dict) -> dict:
@@ -165,13 +181,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=12, help="prompts per round and concurrency (both clients)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
+    parser.add_argument("--config", type=Path, help="a GPU host's config (default: the CPU demo's, tiny model)")
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="the interpreter of the vLLM to run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    exp = experiment(args.out)
-    model_dir = Path(exp.raw["model"]["path"])
-    model.build(model_dir, model.TinyModelSpec(**exp.tiny_model_spec()))
-    runtime = server.Runtime(port_range=(8400, 8499), startup_timeout_s=900, shutdown_timeout_s=20,
-                             state_dir=str(args.out / "state"), cwd=str(REPO))  # fmt: skip
+    exp = experiment(args.out, args.config, args.vllm_python)
+    tokenizer = exp.raw["model"]["path"]
+    runtime = server.Runtime(port_range=(8400, 8499), startup_timeout_s=exp.operations["startup_timeout_s"],
+                             shutdown_timeout_s=20, state_dir=str(args.out / "state"), cwd=str(REPO))  # fmt: skip
     owner = procs.ProcessRef.of(os.getpid())
     served = exp.raw["model"]["served_name"]
     all_cpus = os.sched_getaffinity(0)
@@ -179,7 +196,8 @@ def main() -> int:
     try:
         for name in exp.configurations:
             os.sched_setaffinity(0, all_cpus)  # the server, our child, gets the demo's server cores
-            runtime.cpus = exp.configurations[name]["cpus"]
+            runtime.cpus = list(exp.configurations[name].get("cpus") or [])
+            runtime.gpus = list(exp.configurations[name].get("gpus") or [])
             facts = server.ensure(exp.launch_spec(name), runtime, owner)
             os.sched_setaffinity(0, client_cores(exp))
             pooled: dict[tuple[str, int], dict[str, list[float]]] = {}
@@ -192,7 +210,9 @@ def main() -> int:
                         run = (
                             servegrid_run(facts.url, served, prompts, concurrency)
                             if tool == "servegrid"
-                            else upstream_run(facts.url, served, model_dir, prompts, concurrency, args.out)
+                            else upstream_run(
+                                facts.url, served, tokenizer, prompts, concurrency, args.out, args.vllm_python
+                            )
                         )
                         for key in (
                             (tool, concurrency),
@@ -229,21 +249,20 @@ def main() -> int:
                     if (tool, concurrency, 1) in pooled
                 }
                 rows.append(row)
-                (t_lo, t_hi), (p_lo, p_hi) = row["ttft_ratio_ci"], row["tpot_ratio_ci"]
                 print(
                     f"{name:<13} c={concurrency}  n={row['requests_each']}  "
                     f"TTFT p50 {row['ttft_p50_ms']['servegrid']:7.1f} vs {row['ttft_p50_ms']['upstream']:7.1f} ms "
-                    f"(x{row['ttft_ratio']:.3f}, CI {t_lo:.3f}-{t_hi:.3f})  "
+                    f"(x{row['ttft_ratio']:.3f}, {interval(row['ttft_ratio_ci'])})  "
                     f"TPOT p50 {row['tpot_p50_ms']['servegrid']:5.2f} vs {row['tpot_p50_ms']['upstream']:5.2f} ms "
-                    f"(x{row['tpot_ratio']:.3f}, CI {p_lo:.3f}-{p_hi:.3f})  "
+                    f"(x{row['tpot_ratio']:.3f}, {interval(row['tpot_ratio_ci'])})  "
                     f"ITL p50: servegrid per token {row['itl_p50_ms']['servegrid_per_token']:.2f}, per chunk "
                     f"{row['itl_p50_ms']['servegrid_per_chunk']:.2f}; upstream per chunk "
                     f"{row['itl_p50_ms']['upstream_per_chunk']:.2f} ms",
                     flush=True,
                 )
-                (a, b), (c, d) = row["ttft_paired_ratio_ci"], row["tpot_paired_ratio_ci"]
-                print(f"{'':<13}      paired by round: TTFT x{row['ttft_paired_ratio']:.3f} (CI {a:.3f}-{b:.3f})  "
-                      f"TPOT x{row['tpot_paired_ratio']:.3f} (CI {c:.3f}-{d:.3f})", flush=True)  # fmt: skip
+                print(f"{'':<13}      paired by round: TTFT x{row['ttft_paired_ratio']:.3f} "
+                      f"({interval(row['ttft_paired_ratio_ci'])})  TPOT x{row['tpot_paired_ratio']:.3f} "
+                      f"({interval(row['tpot_paired_ratio_ci'])})", flush=True)  # fmt: skip
                 for tool, ratios in row["self_ratio"].items():
                     print(f"{'':<13}      noise floor, {tool} against itself (even/odd rounds): "
                           f"TTFT x{ratios['ttft']:.3f}  TPOT x{ratios['tpot']:.3f}", flush=True)  # fmt: skip
