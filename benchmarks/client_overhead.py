@@ -36,7 +36,15 @@ from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import hostinfo
 from servegrid.cell import run_loop
-from servegrid.client import ClientMonitor, CollectorPause, RequestRecord, Streamer, decode_stream, streaming_session
+from servegrid.client import (
+    ClientMonitor,
+    CollectorPause,
+    RequestRecord,
+    Streamer,
+    decode_stream,
+    streaming_body,
+    streaming_session,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,12 +75,11 @@ def start_server(port: int, ttft: float, interval: float, cpu: int | None) -> su
 
 async def consumer_stamped(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord) -> None:
     """The usual way, for comparison: stamp each read where the consuming task gets it from httpx."""
-    body = {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     parts: list[bytes] = []
     reads: list[tuple[int, int]] = []
     received = 0
     record.sent_ns = time.monotonic_ns()
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    async with client.stream("POST", url + "/v1/completions", json=streaming_body(payload)) as response:
         async for raw in response.aiter_raw():
             if raw:
                 received += len(raw)

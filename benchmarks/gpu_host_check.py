@@ -38,10 +38,7 @@ print(json.dumps([{"name": torch.cuda.get_device_name(i),
 
 
 def nvidia_smi_uuids() -> dict[int, str]:
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
-        capture_output=True, text=True, timeout=20, check=True,
-    ).stdout  # fmt: skip
+    out = hostinfo.nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader") or ""
     return {int(index): uuid.strip() for index, uuid in (line.split(",") for line in out.strip().splitlines())}
 
 

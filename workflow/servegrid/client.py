@@ -140,6 +140,11 @@ class RequestRecord:
 _JSON = {"Content-Type": "application/json"}
 
 
+def streaming_body(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` asking to stream, with usage in every chunk (what the token counts come from)."""
+    return {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
 class StartPacer:
     """Lets at most ``per_iteration`` requests start per event-loop iteration.
 
@@ -203,9 +208,7 @@ class Streamer:
         self._pending: list[tuple[bytes, list[tuple[int, int]], RequestRecord]] = []
 
     async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord, decode: bool = True) -> None:
-        body = orjson.dumps(
-            {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        )
+        body = orjson.dumps(streaming_body(payload))
         await self.pacer.turn()
         record.sent_ns = time.monotonic_ns()
         try:
@@ -298,8 +301,8 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
 class CollectorPause:
     """Python's cyclic garbage collector off while streams are timed.
 
-    A full collection over a cell's records held the loop for up to 78 ms at
-    256 streams (benchmarks/client_overhead.py), and every read that arrived
+    A full collection over a cell's records held the loop for up to 78 ms
+    (servegrid's client against 256 calibration streams), and every read that arrived
     meanwhile was stamped that late. Reference counting still frees nearly
     everything at once; what is left in cycles is collected when timing stops.
     """

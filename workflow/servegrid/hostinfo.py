@@ -24,7 +24,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _nvidia_smi(*args: str) -> str | None:
+def nvidia_smi(*args: str) -> str | None:
     """nvidia-smi's output for ``args``, or None where there is no nvidia-smi or it fails."""
     if shutil.which("nvidia-smi") is None:
         return None
@@ -36,7 +36,7 @@ def _nvidia_smi(*args: str) -> str | None:
 
 def gpu_indices() -> list[int] | None:
     """The GPU indices nvidia-smi lists (the numbering CUDA_VISIBLE_DEVICES uses), or None without nvidia-smi."""
-    out = _nvidia_smi("--query-gpu=index", "--format=csv,noheader")
+    out = nvidia_smi("--query-gpu=index", "--format=csv,noheader")
     return None if out is None else sorted(int(line) for line in out.split() if line.strip().isdigit())
 
 
@@ -44,7 +44,7 @@ def gpus(indices: list[int]) -> list[dict[str, str]]:
     """Name and memory of the given GPUs, from nvidia-smi when there is one."""
     if not indices:
         return []
-    out = _nvidia_smi(
+    out = nvidia_smi(
         "--query-gpu=index,name,memory.total,driver_version",
         "--format=csv,noheader",
         "-i",

@@ -316,6 +316,8 @@ def check_gpus(gpus: list[int], key: str) -> None:
     A 27B model takes minutes to load before vLLM finds its GPU missing; this takes a second.
     Hosts without nvidia-smi are not checked.
     """
+    if not gpus:
+        return
     present = hostinfo.gpu_indices()
     missing = sorted(set(gpus) - set(present)) if present is not None else []
     if missing:
