@@ -28,6 +28,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -89,17 +91,50 @@ async def consumer_stamped(client: httpx.AsyncClient, url: str, payload: dict, r
     decode_stream(b"".join(parts), reads, record)
 
 
+@dataclass
+class ClientPath:
+    """One way of sending a request and timing its stream, with what it does around the measured phase."""
+
+    send: Callable[[dict, RequestRecord], Awaitable[None]]
+    open_connections: Callable[[int], Awaitable[None]]
+    after_measurement: Callable[[], None]
+
+
+@contextlib.asynccontextmanager
+async def servegrid_path(url: str, streams: int) -> AsyncIterator[ClientPath]:
+    """The path every cell uses: reads stamped in data_received, connections opened first, decoding after."""
+    async with streaming_session(streams + 4, 120) as session:
+        streamer = Streamer(session, url)
+        send = functools.partial(streamer.stream, "/v1/completions", decode=False)
+        yield ClientPath(send, streamer.open_connections, streamer.decode_pending)
+
+
+@contextlib.asynccontextmanager
+async def consumer_stamped_path(
+    client_class: type[httpx.AsyncClient], url: str, streams: int
+) -> AsyncIterator[ClientPath]:
+    """The usual way: connections opened on demand, each stream stamped and decoded by its consuming task."""
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with client_class(limits=limits, timeout=120) as client:
+
+        async def no_warm_up(_: int) -> None:
+            return None
+
+        yield ClientPath(functools.partial(consumer_stamped, client, url), no_warm_up, lambda: None)
+
+
+# servegrid's path, then the usual one (stamped where the consumer gets the bytes) over each httpx transport.
+PATHS: dict[str, Callable[[str, int], contextlib.AbstractAsyncContextManager[ClientPath]]] = {
+    "servegrid": servegrid_path,
+    "httpx+aiohttp": functools.partial(consumer_stamped_path, HttpxAiohttpClient),
+    "httpx": functools.partial(consumer_stamped_path, httpx.AsyncClient),
+}
+
+
 async def run_level(url: str, streams: int, requests_per_stream: int, tokens: int, path: str) -> dict:
     monitor, pause = ClientMonitor(), CollectorPause()
     records: list[RequestRecord] = []
-    async with contextlib.AsyncExitStack() as stack:
-        if path == "servegrid":
-            streamer = Streamer(await stack.enter_async_context(streaming_session(streams + 4, 120)), url)
-            send = functools.partial(streamer.stream, "/v1/completions", decode=False)
-        else:
-            limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
-            client = await stack.enter_async_context(PATHS[path](limits=limits, timeout=120))
-            send = functools.partial(consumer_stamped, client, url)
+    async with PATHS[path](url, streams) as client_path:
 
         async def stream_loop(s: int, start_ns: int) -> None:
             intended = start_ns  # closed loop, as cells run: the next request is due when the last one ends
@@ -108,11 +143,10 @@ async def run_level(url: str, streams: int, requests_per_stream: int, tokens: in
                 record.intended_send_ns = intended
                 records.append(record)
                 payload = {"model": "calibration", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": tokens}
-                await send(payload, record)
+                await client_path.send(payload, record)
                 intended = record.end_ns or time.monotonic_ns()
 
-        if path == "servegrid":
-            await streamer.open_connections(streams)
+        await client_path.open_connections(streams)
         wall0 = time.monotonic()
         pause.start()
         monitor.start()
@@ -121,8 +155,7 @@ async def run_level(url: str, streams: int, requests_per_stream: int, tokens: in
         await monitor.stop()
         pause.stop()
         wall = time.monotonic() - wall0
-        if path == "servegrid":
-            streamer.decode_pending()
+        client_path.after_measurement()
     client_summary = monitor.summary()
     server_stats = httpx.get(f"{url}/servegrid/stats").json()
     failed = [r for r in records if r.error]
@@ -149,10 +182,6 @@ async def run_level(url: str, streams: int, requests_per_stream: int, tokens: in
         "client_loop_lag_p99_ms": (client_summary["loop_lag_p99_s"] or 0) * 1e3,
         "server_late_p99_ms": server_stats["late_p99_ms"],
     }
-
-
-# servegrid's path, then the usual one (stamped where the consumer gets the bytes) over each httpx transport.
-PATHS = {"servegrid": None, "httpx+aiohttp": HttpxAiohttpClient, "httpx": httpx.AsyncClient}
 
 
 def main() -> int:

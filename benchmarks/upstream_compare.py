@@ -11,12 +11,20 @@ unmeasured request warms it up; which client goes first alternates by round.
 Both clients are pinned to the demo's client core, the server to its server
 core (config/cpu-demo.yaml), so that neither slows the engine down for the other.
 
-Reported per configuration and concurrency: TTFT p50 and TPOT p50 of each
-client and their ratio (servegrid / upstream) over all requests, and the
-median of the per-round ratios with a 95% bootstrap interval over rounds (the
-server's speed drifts from round to round on a shared machine; within a round
-both clients see the same server); and servegrid's per-token ITL beside the
-per-chunk gaps that upstream calls ITL.
+Reported per configuration and concurrency, as servegrid / upstream with 95%
+bootstrap intervals:
+- TTFT p50 and TPOT p50 over all requests, and the median of the per-round
+  ratios (the server's speed drifts from round to round on a shared machine;
+  within a round both clients see the same server);
+- rank-matched: the k-th fastest request of a round against the k-th fastest
+  of the same round. At several sessions on one CPU core prefills queue, and
+  TTFT is a request's place in the queue times one prefill; a p50 that falls
+  between two places jumps when one request changes place;
+- over the server's own timing: each client's mean over vLLM's mean
+  (its TTFT and TPOT histograms) for the very requests of its turn. The queue
+  lottery and the drift reach the server's figure too and cancel; what is left
+  is how the clients measure;
+- servegrid's per-token ITL beside the per-chunk gaps that upstream calls ITL.
 
     .venv/bin/python benchmarks/upstream_compare.py [--rounds 4] [--requests 16] [--out benchmarks/out]
 
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -46,7 +55,7 @@ import httpx
 import numpy as np
 import yaml
 
-from servegrid import aggregate, model, procs, records, server, stats
+from servegrid import aggregate, metrics, model, procs, records, server, stats
 from servegrid.cell import reset_prefix_cache, run_loop
 from servegrid.client import CollectorPause, RequestRecord, Streamer, streaming_session
 from servegrid.config import Experiment
@@ -76,24 +85,44 @@ def client_cores(exp: Experiment) -> set[int]:
     return set(exp.operations["client_cpus"] or [sorted(os.sched_getaffinity(0))[-1]])
 
 
-def prompt_texts(url: str, served: str, count: int, label: str) -> list[str]:
-    """``count`` cold prompts of 1024 tokens as text (what both clients send)."""
-    with httpx.Client(timeout=60) as client:
+class SharedServer:
+    """The vLLM server both clients take turns on: its prompts, its prefix cache and its own timing.
 
-        def tokenize(text: str) -> list[int]:
-            reply = client.post(f"{url}/tokenize", json={"model": served, "prompt": text, "add_special_tokens": False})
-            return list(reply.json()["tokens"])
+    Prompts are cold, 1024 tokens, as text, cut from a corpus its tokenizer reads once.
+    """
 
-        builder = PromptBuilder(tokenize, seed=11, corpus_tokens=8192)
-        ids = [builder.unique(PROMPT_TOKENS, f"{label} {i}") for i in range(count)]
-        return [client.post(f"{url}/detokenize", json={"model": served, "tokens": t}).json()["prompt"] for t in ids]
+    def __init__(self, url: str, served: str) -> None:
+        self.url, self.served = url, served
+        self.http = httpx.Client(timeout=300)
+        self.builder = PromptBuilder(self.tokenize, seed=11, corpus_tokens=8192)
 
+    def tokenize(self, text: str) -> list[int]:
+        body = {"model": self.served, "prompt": text, "add_special_tokens": False}
+        return list(self.http.post(f"{self.url}/tokenize", json=body).raise_for_status().json()["tokens"])
 
-def warm_and_reset(url: str, served: str, label: str) -> None:
-    with httpx.Client(timeout=300) as client:
-        reset_prefix_cache(client, url)
-        text = prompt_texts(url, served, 1, f"warm {label}")[0]
-        client.post(f"{url}/v1/completions", json={"model": served, "prompt": text, "max_tokens": 8}).raise_for_status()
+    def texts(self, count: int, label: str) -> list[str]:
+        """``count`` prompts that no earlier one starts like (what both clients send)."""
+        ids = [self.builder.unique(PROMPT_TOKENS, f"{label} {i}") for i in range(count)]
+        return [
+            self.http.post(f"{self.url}/detokenize", json={"model": self.served, "tokens": t})
+            .raise_for_status()
+            .json()["prompt"]
+            for t in ids
+        ]
+
+    def warm_and_reset(self, label: str) -> None:
+        """Empty the prefix cache, then one unmeasured request, so that each client's turn starts alike."""
+        reset_prefix_cache(self.http, self.url)
+        body = {"model": self.served, "prompt": self.texts(1, f"warm {label}")[0], "max_tokens": 8}
+        self.http.post(f"{self.url}/v1/completions", json=body).raise_for_status()
+
+    def latency_totals(self) -> dict[str, tuple[float, int]]:
+        """vLLM's own TTFT and TPOT histograms (sum, count) as they stand now."""
+        exposition = self.http.get(f"{self.url}/metrics").raise_for_status().text
+        return metrics.latency_totals(exposition, self.served)
+
+    def close(self) -> None:
+        self.http.close()
 
 
 async def servegrid_client(url: str, served: str, prompts: list[str], concurrency: int) -> list[RequestRecord]:
@@ -167,20 +196,107 @@ def interval(bounds: tuple[float | None, float | None]) -> str:
     return "no CI: too few values" if low is None or high is None else f"CI {low:.3f}-{high:.3f}"
 
 
-def ratio_row(name: str, concurrency: int, ours: dict, theirs: dict) -> dict:
+# servegrid's name for a figure → vLLM's histogram of it.
+SERVER_TIMING = {"ttft": "time_to_first_token_seconds", "tpot": "request_time_per_output_token_seconds"}
+
+
+def pooled(rounds: list[dict[str, list[float]]], metric: str) -> list[float]:
+    return [value for run in rounds for value in run[metric]]
+
+
+def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -> dict:
+    """servegrid against upstream for one configuration and concurrency; ``ours``/``theirs``: one run per round."""
     p50 = lambda values: float(np.median(values)) * 1e3  # noqa: E731 - ms
-    row = {"configuration": name, "concurrency": concurrency, "requests_each": len(ours["ttft"])}
+    row: dict = {"configuration": name, "concurrency": concurrency, "requests_each": len(pooled(ours, "ttft"))}
     for metric in ("ttft", "tpot"):
-        row[f"{metric}_p50_ms"] = {"servegrid": p50(ours[metric]), "upstream": p50(theirs[metric])}
-        row[f"{metric}_ratio"] = row[f"{metric}_p50_ms"]["servegrid"] / row[f"{metric}_p50_ms"]["upstream"]
-        row[f"{metric}_ratio_ci"] = stats.ratio_of_medians_ci(ours[metric], theirs[metric])
+        a, b = pooled(ours, metric), pooled(theirs, metric)
+        row[f"{metric}_p50_ms"] = {"servegrid": p50(a), "upstream": p50(b)}
+        row[f"{metric}_ratio"] = p50(a) / p50(b)
+        row[f"{metric}_ratio_ci"] = stats.ratio_of_medians_ci(a, b)
+        # Paired by round: the server drifts between rounds, both clients see each round's state.
+        per_round = [p50(x[metric]) / p50(y[metric]) for x, y in zip(ours, theirs, strict=True)]
+        row[f"{metric}_paired_ratio"] = float(np.median(per_round))
+        row[f"{metric}_paired_ratio_ci"] = stats.median_ci(per_round)
+        # Rank by rank within a round: at several sessions on one CPU core, prefills queue, so TTFT is a
+        # request's place in the queue times one prefill, and a p50 between two places jumps when one
+        # request changes place. The k-th fastest against the k-th fastest of the same round compares the
+        # clients, not the queue lottery.
+        matched = [stats.rank_matched_ratios(x[metric], y[metric]) for x, y in zip(ours, theirs, strict=True)]
+        row[f"{metric}_matched_ratio"] = float(np.median(np.concatenate(matched)))
+        row[f"{metric}_matched_ratio_ci"] = stats.grouped_median_ci(matched)
+    # Against the server's own timing of the very requests each client sent (vLLM's histograms): each
+    # client's mean over the server's mean in its turn, then servegrid's over upstream's. What the queue
+    # lottery and the server's drift do to a turn, the server's figure sees too, so it cancels; what is
+    # left is how the two clients measure.
+    server_timed = all(run["server"][m] for run in ours + theirs for m in ("ttft", "tpot"))
+    for metric in ("ttft", "tpot"):
+        if not server_timed:
+            row[f"{metric}_server_normalized_ratio"], row[f"{metric}_server_normalized_ratio_ci"] = None, (None, None)
+            continue
+        over_server = {
+            tool: [float(np.mean(run[metric])) / run["server"][metric] for run in runs]
+            for tool, runs in (("servegrid", ours), ("upstream", theirs))
+        }
+        normalized = [a / b for a, b in zip(over_server["servegrid"], over_server["upstream"], strict=True)]
+        row[f"{metric}_server_normalized_ratio"] = float(np.median(normalized))
+        row[f"{metric}_server_normalized_ratio_ci"] = stats.median_ci(normalized)
+        row[f"{metric}_client_over_server"] = {tool: float(np.median(v)) for tool, v in over_server.items()}
+        row[f"{metric}_client_minus_server_ms"] = {
+            tool: float(np.median([(np.mean(run[metric]) - run["server"][metric]) * 1e3 for run in runs]))
+            for tool, runs in (("servegrid", ours), ("upstream", theirs))
+        }
     row["itl_p50_ms"] = {
-        "servegrid_per_token": p50(ours["itl_token"]),
-        "servegrid_per_chunk": p50(ours["chunk_gap"]),
-        "upstream_per_chunk": p50(theirs["chunk_gap"]),
+        "servegrid_per_token": p50(pooled(ours, "itl_token")),
+        "servegrid_per_chunk": p50(pooled(ours, "chunk_gap")),
+        "upstream_per_chunk": p50(pooled(theirs, "chunk_gap")),
     }
-    row["within_3_percent"] = all(abs(row[f"{m}_ratio"] - 1) <= 0.03 for m in ("ttft", "tpot"))
+    for way in ("", "_paired", "_matched", "_server_normalized"):
+        ratios = [row[f"{m}{way}_ratio"] for m in ("ttft", "tpot")]
+        row[f"within_3_percent{way}"] = None if None in ratios else all(abs(r - 1) <= 0.03 for r in ratios)
+    # The noise floor: each client against itself, even rounds over odd rounds.
+    if len(ours) > 1:
+        row["self_ratio"] = {
+            tool: {m: p50(pooled(runs[0::2], m)) / p50(pooled(runs[1::2], m)) for m in ("ttft", "tpot")}
+            for tool, runs in (("servegrid", ours), ("upstream", theirs))
+        }
+    # Every value, per client and round, so that a distribution can be looked at, not only its p50.
+    row["values_s"] = {
+        tool: [{m: run[m] for m in ("ttft", "tpot")} for run in runs]
+        for tool, runs in (("servegrid", ours), ("upstream", theirs))
+    }
     return row
+
+
+def print_row(row: dict) -> None:
+    ms = row["ttft_p50_ms"]
+
+    def ratio(metric: str, way: str = "") -> str:
+        return f"x{row[f'{metric}{way}_ratio']:.3f}, {interval(row[f'{metric}{way}_ratio_ci'])}"
+
+    itl = row["itl_p50_ms"]
+    print(
+        f"{row['configuration']:<13} c={row['concurrency']}  n={row['requests_each']}  "
+        f"TTFT p50 {ms['servegrid']:7.1f} vs {ms['upstream']:7.1f} ms ({ratio('ttft')})  "
+        f"TPOT p50 {row['tpot_p50_ms']['servegrid']:5.2f} vs {row['tpot_p50_ms']['upstream']:5.2f} ms "
+        f"({ratio('tpot')})  ITL p50: servegrid per token {itl['servegrid_per_token']:.2f}, per chunk "
+        f"{itl['servegrid_per_chunk']:.2f}; upstream per chunk {itl['upstream_per_chunk']:.2f} ms",
+        flush=True,
+    )
+    for label, way in (
+        ("paired by round", "_paired"),
+        ("rank-matched within rounds", "_matched"),
+        ("each over the server's own timing", "_server_normalized"),
+    ):
+        if row[f"ttft{way}_ratio"] is not None:
+            print(f"{'':<19}{label}: TTFT {ratio('ttft', way)}  TPOT {ratio('tpot', way)}", flush=True)
+    if row["ttft_server_normalized_ratio"] is not None:
+        above = {m: row[f"{m}_client_minus_server_ms"] for m in ("ttft", "tpot")}
+        print(f"{'':<19}client mean minus the server's: TTFT servegrid {above['ttft']['servegrid']:+.2f} ms, "
+              f"upstream {above['ttft']['upstream']:+.2f} ms;  TPOT servegrid {above['tpot']['servegrid']:+.3f} ms, "
+              f"upstream {above['tpot']['upstream']:+.3f} ms", flush=True)  # fmt: skip
+    for tool, ratios in row.get("self_ratio", {}).items():
+        print(f"{'':<19}noise floor, {tool} against itself (even/odd rounds): "
+              f"TTFT x{ratios['ttft']:.3f}  TPOT x{ratios['tpot']:.3f}", flush=True)  # fmt: skip
 
 
 def main() -> int:
@@ -201,8 +317,9 @@ def main() -> int:
             f"--configurations: {', '.join(unknown)} not in the config (it has {', '.join(exp.configurations)})"
         )
     tokenizer = exp.raw["model"]["path"]
-    runtime = server.Runtime(port_range=(8400, 8499), startup_timeout_s=exp.operations["startup_timeout_s"],
-                             shutdown_timeout_s=20, state_dir=str(args.out / "state"), cwd=str(REPO))  # fmt: skip
+    # The config's own runtime and placement, but ports and state of its own, apart from the pipeline's.
+    own = {"port_range": (8400, 8499), "state_dir": str(args.out / "state"), "cwd": str(REPO)}
+    runtime = dataclasses.replace(server.Runtime.from_config(exp.operations), **own)
     owner = procs.ProcessRef.of(os.getpid())
     served = exp.raw["model"]["served_name"]
     all_cpus = os.sched_getaffinity(0)
@@ -210,17 +327,18 @@ def main() -> int:
     try:
         for name in args.configurations or exp.configurations:
             os.sched_setaffinity(0, all_cpus)  # the server, our child, gets the demo's server cores
-            runtime.cpus = list(exp.configurations[name].get("cpus") or [])
-            runtime.gpus = list(exp.configurations[name].get("gpus") or [])
-            facts = server.ensure(exp.launch_spec(name), runtime, owner)
+            placed = dataclasses.replace(server.Runtime.from_config(exp.operations, exp.configurations[name]), **own)
+            facts = server.ensure(exp.launch_spec(name), placed, owner)
             os.sched_setaffinity(0, client_cores(exp))
-            pooled: dict[tuple[str, int], dict[str, list[float]]] = {}
+            runs: dict[tuple[str, int], list[dict[str, list[float]]]] = {}
+            source = SharedServer(facts.url, served)
             for round_ in range(args.rounds):
                 for concurrency in args.concurrency:
-                    prompts = prompt_texts(facts.url, served, args.requests, f"{name} r{round_} c{concurrency}")
+                    prompts = source.texts(args.requests, f"{name} r{round_} c{concurrency}")
                     order = ("servegrid", "upstream") if round_ % 2 == 0 else ("upstream", "servegrid")
                     for tool in order:
-                        warm_and_reset(facts.url, served, f"{tool} r{round_} c{concurrency}")
+                        source.warm_and_reset(f"{tool} r{round_} c{concurrency}")
+                        before = source.latency_totals()
                         run = (
                             servegrid_run(facts.url, served, prompts, concurrency)
                             if tool == "servegrid"
@@ -228,86 +346,16 @@ def main() -> int:
                                 facts.url, served, tokenizer, prompts, concurrency, args.out, args.vllm_python
                             )
                         )
-                        for key in (
-                            (tool, concurrency),
-                            (tool, concurrency, round_ % 2),
-                            (tool, concurrency, "r", round_),
-                        ):
-                            bucket = pooled.setdefault(key, {})
-                            for metric, values in run.items():
-                                bucket.setdefault(metric, []).extend(values)
-            server.stop(name, runtime, reason="comparison done")
+                        after = source.latency_totals()
+                        run["server"] = {m: metrics.mean_latency(before, after, h) for m, h in SERVER_TIMING.items()}
+                        runs.setdefault((tool, concurrency), []).append(run)
+            source.close()
+            server.stop(name, placed, reason="comparison done")
             for concurrency in args.concurrency:
-                row = ratio_row(name, concurrency, pooled[("servegrid", concurrency)],
-                                pooled[("upstream", concurrency)])  # fmt: skip
-                # Paired by round: the server drifts between rounds, both clients see each round's state.
-                for metric in ("ttft", "tpot"):
-                    per_round = [
-                        float(np.median(pooled[("servegrid", concurrency, "r", r)][metric]))
-                        / float(np.median(pooled[("upstream", concurrency, "r", r)][metric]))
-                        for r in range(args.rounds)
-                    ]
-                    row[f"{metric}_paired_ratio"] = float(np.median(per_round))
-                    row[f"{metric}_paired_ratio_ci"] = stats.median_ci(per_round)
-                row["within_3_percent_paired"] = all(
-                    abs(row[f"{m}_paired_ratio"] - 1) <= 0.03 for m in ("ttft", "tpot")
+                rows.append(
+                    compare(name, concurrency, runs[("servegrid", concurrency)], runs[("upstream", concurrency)])
                 )
-                # Rank by rank within a round: at several sessions on one CPU core, prefills queue, so
-                # TTFT is a request's place in the queue times one prefill, and a p50 between two places
-                # jumps when one request changes place. The k-th fastest against the k-th fastest of
-                # the same round compares the clients, not the queue lottery.
-                for metric in ("ttft", "tpot"):
-                    matched = [
-                        stats.rank_matched_ratios(
-                            pooled[("servegrid", concurrency, "r", r)][metric],
-                            pooled[("upstream", concurrency, "r", r)][metric],
-                        )
-                        for r in range(args.rounds)
-                    ]
-                    row[f"{metric}_matched_ratio"] = float(np.median(np.concatenate(matched)))
-                    row[f"{metric}_matched_ratio_ci"] = stats.grouped_median_ci(matched)
-                row["within_3_percent_matched"] = all(
-                    abs(row[f"{m}_matched_ratio"] - 1) <= 0.03 for m in ("ttft", "tpot")
-                )
-                # The noise floor: each client against itself, even rounds over odd rounds.
-                row["self_ratio"] = {
-                    tool: {
-                        metric: float(np.median(pooled[(tool, concurrency, 0)][metric]))
-                        / float(np.median(pooled[(tool, concurrency, 1)][metric]))
-                        for metric in ("ttft", "tpot")
-                    }
-                    for tool in ("servegrid", "upstream")
-                    if (tool, concurrency, 1) in pooled
-                }
-                # Every value, per client and round, so that a distribution can be looked at, not only its p50.
-                row["values_s"] = {
-                    tool: [
-                        {m: pooled[(tool, concurrency, "r", r)][m] for m in ("ttft", "tpot")}
-                        for r in range(args.rounds)
-                    ]
-                    for tool in ("servegrid", "upstream")
-                }
-                rows.append(row)
-                print(
-                    f"{name:<13} c={concurrency}  n={row['requests_each']}  "
-                    f"TTFT p50 {row['ttft_p50_ms']['servegrid']:7.1f} vs {row['ttft_p50_ms']['upstream']:7.1f} ms "
-                    f"(x{row['ttft_ratio']:.3f}, {interval(row['ttft_ratio_ci'])})  "
-                    f"TPOT p50 {row['tpot_p50_ms']['servegrid']:5.2f} vs {row['tpot_p50_ms']['upstream']:5.2f} ms "
-                    f"(x{row['tpot_ratio']:.3f}, {interval(row['tpot_ratio_ci'])})  "
-                    f"ITL p50: servegrid per token {row['itl_p50_ms']['servegrid_per_token']:.2f}, per chunk "
-                    f"{row['itl_p50_ms']['servegrid_per_chunk']:.2f}; upstream per chunk "
-                    f"{row['itl_p50_ms']['upstream_per_chunk']:.2f} ms",
-                    flush=True,
-                )
-                print(f"{'':<13}      paired by round: TTFT x{row['ttft_paired_ratio']:.3f} "
-                      f"({interval(row['ttft_paired_ratio_ci'])})  TPOT x{row['tpot_paired_ratio']:.3f} "
-                      f"({interval(row['tpot_paired_ratio_ci'])})", flush=True)  # fmt: skip
-                print(f"{'':<13}      rank-matched within rounds: TTFT x{row['ttft_matched_ratio']:.3f} "
-                      f"({interval(row['ttft_matched_ratio_ci'])})  TPOT x{row['tpot_matched_ratio']:.3f} "
-                      f"({interval(row['tpot_matched_ratio_ci'])})", flush=True)  # fmt: skip
-                for tool, ratios in row["self_ratio"].items():
-                    print(f"{'':<13}      noise floor, {tool} against itself (even/odd rounds): "
-                          f"TTFT x{ratios['ttft']:.3f}  TPOT x{ratios['tpot']:.3f}", flush=True)  # fmt: skip
+                print_row(rows[-1])
     finally:
         server.stop_all(runtime, reason="comparison ended")
     (args.out / "upstream_compare.json").write_text(json.dumps({"rows": rows}, indent=2))

@@ -69,3 +69,35 @@ def test_calibration_server_speaks_both_generations(calibration):
         with calibration(Script(legacy_metric_names=legacy)) as srv:
             values = metrics.parse(httpx.get(f"{srv.url}/metrics").text, model_name="calibration")
         assert set(values) >= {"prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc"}
+
+
+LATENCY_EXPOSITION = """\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="tiny"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 1.5
+vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf",model_name="tiny"} 2.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="tiny"} 2.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="tiny"} 0.5
+vllm:time_to_first_token_seconds_count{engine="0",model_name="other"} 9.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="other"} 90.0
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny"} 6.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} 60.0
+"""
+
+
+def test_latency_totals_sum_engines_for_the_served_model_only():
+    totals = metrics.latency_totals(LATENCY_EXPOSITION, model_name="tiny")
+    assert totals == {"time_to_first_token_seconds": (2.0, 6)}  # buckets, other model and e2e left out
+
+
+def test_mean_latency_over_the_requests_between_two_scrapes():
+    before = {"time_to_first_token_seconds": (2.0, 6)}
+    after = {"time_to_first_token_seconds": (3.2, 10)}
+    assert metrics.mean_latency(before, after, "time_to_first_token_seconds") == pytest.approx(0.3)
+    assert metrics.mean_latency(after, after, "time_to_first_token_seconds") is None  # no request ended
+    assert metrics.mean_latency({}, {}, "request_time_per_output_token_seconds") is None  # not exposed

@@ -65,6 +65,38 @@ def parse(exposition: str, model_name: str | None = None) -> dict[str, float]:
     return values
 
 
+# The server's own timing of each request (vLLM's histograms), as (sum, count) over engines.
+LATENCY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_token_seconds")
+
+
+def latency_totals(exposition: str, model_name: str | None = None) -> dict[str, tuple[float, int]]:
+    """(sum of seconds, requests) of each histogram in LATENCY_HISTOGRAMS the server exposes."""
+    totals: dict[str, tuple[float, int]] = {}
+    for family in text_string_to_metric_families(exposition):
+        name = family.name.removeprefix("vllm:")
+        if name not in LATENCY_HISTOGRAMS:
+            continue
+        total, count = totals.get(name, (0.0, 0))
+        for sample in family.samples:
+            if model_name and sample.labels.get("model_name", model_name) != model_name:
+                continue
+            if sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += int(sample.value)
+        totals[name] = (total, count)
+    return totals
+
+
+def mean_latency(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]], name: str) -> float | None:
+    """The server's mean of ``name`` over the requests that ended between two scrapes; None without any."""
+    if name not in after:
+        return None
+    total, count = after[name]
+    total0, count0 = before.get(name, (0.0, 0))
+    return (total - total0) / (count - count0) if count > count0 else None
+
+
 def cache_config(exposition: str) -> dict[str, str]:
     """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...), or {} if absent."""
     for family in text_string_to_metric_families(exposition):
