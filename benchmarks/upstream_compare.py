@@ -116,10 +116,10 @@ class SharedServer:
         body = {"model": self.served, "prompt": self.texts(1, f"warm {label}")[0], "max_tokens": 8}
         self.http.post(f"{self.url}/v1/completions", json=body).raise_for_status()
 
-    def latency_totals(self) -> dict[str, tuple[float, int]]:
-        """vLLM's own TTFT and TPOT histograms (sum, count) as they stand now."""
+    def counters(self) -> dict[str, float]:
+        """vLLM's counters as they stand now, its own TTFT and TPOT timing among them."""
         exposition = self.http.get(f"{self.url}/metrics").raise_for_status().text
-        return metrics.latency_totals(exposition, self.served)
+        return metrics.parse(exposition, self.served)
 
     def close(self) -> None:
         self.http.close()
@@ -196,10 +196,6 @@ def interval(bounds: tuple[float | None, float | None]) -> str:
     return "no CI: too few values" if low is None or high is None else f"CI {low:.3f}-{high:.3f}"
 
 
-# servegrid's name for a figure → vLLM's histogram of it.
-SERVER_TIMING = {"ttft": "time_to_first_token_seconds", "tpot": "request_time_per_output_token_seconds"}
-
-
 def pooled(rounds: list[dict[str, list[float]]], metric: str) -> list[float]:
     return [value for run in rounds for value in run[metric]]
 
@@ -228,7 +224,11 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
     # client's mean over the server's mean in its turn, then servegrid's over upstream's. What the queue
     # lottery and the server's drift do to a turn, the server's figure sees too, so it cancels; what is
     # left is how the two clients measure.
-    server_timed = all(run["server"][m] for run in ours + theirs for m in ("ttft", "tpot"))
+    # Only where the server timed exactly the requests the client did.
+    server_timed = all(
+        run["server"]["ttft"] and run["server"]["tpot"] and run["server"]["requests"] == len(run["ttft"])
+        for run in ours + theirs
+    )
     for metric in ("ttft", "tpot"):
         if not server_timed:
             row[f"{metric}_server_normalized_ratio"], row[f"{metric}_server_normalized_ratio_ci"] = None, (None, None)
@@ -338,7 +338,7 @@ def main() -> int:
                     order = ("servegrid", "upstream") if round_ % 2 == 0 else ("upstream", "servegrid")
                     for tool in order:
                         source.warm_and_reset(f"{tool} r{round_} c{concurrency}")
-                        before = source.latency_totals()
+                        before = source.counters()
                         run = (
                             servegrid_run(facts.url, served, prompts, concurrency)
                             if tool == "servegrid"
@@ -346,8 +346,10 @@ def main() -> int:
                                 facts.url, served, tokenizer, prompts, concurrency, args.out, args.vllm_python
                             )
                         )
-                        after = source.latency_totals()
-                        run["server"] = {m: metrics.mean_latency(before, after, h) for m, h in SERVER_TIMING.items()}
+                        counted = metrics.delta(before, source.counters())
+                        server_view = metrics.derived(counted)
+                        run["server"] = {figure: server_view[f"{figure}_mean_s"] for figure in metrics.SERVER_TIMING}
+                        run["server"]["requests"] = counted["time_to_first_token_seconds_count"]
                         runs.setdefault((tool, concurrency), []).append(run)
             source.close()
             server.stop(name, placed, reason="comparison done")

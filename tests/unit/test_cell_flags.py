@@ -65,6 +65,11 @@ def test_an_honest_server_passes_every_check(summary_of, mode):
     assert row["n_token_mismatch"] == 0 and row["n_errors"] == 0
     assert not bool(row["cache_contradiction"])
     assert row["cache_state"] == "fresh content"  # the calibration server has no reset endpoint
+    # The server timed the same requests: the client's TTFT can only be longer (it sends before the
+    # server starts the clock and reads after it stops), and not by much on loopback.
+    assert row["server_ttft_mean_s"] > 0
+    assert 0 < row["ttft_mean_minus_server_s"] < 0.05
+    assert abs(row["tpot_mean_minus_server_s"]) < 0.005
 
 
 def test_misreported_prompt_tokens_invalidate_the_cell(summary_of):

@@ -57,7 +57,14 @@ def test_delta_and_derived_figures():
 
 def test_derived_is_none_without_traffic():
     derived = metrics.derived(metrics.delta({}, {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}))
-    assert derived == {"prefix_cache_hit_rate": None, "spec_acceptance_rate": None, "spec_mean_acceptance_length": None}
+    assert set(derived.values()) == {None}
+    assert set(derived) == {
+        "ttft_mean_s",
+        "tpot_mean_s",
+        "prefix_cache_hit_rate",
+        "spec_acceptance_rate",
+        "spec_mean_acceptance_length",
+    }
 
 
 def test_calibration_server_speaks_both_generations(calibration):
@@ -90,14 +97,18 @@ vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} 60.0
 """
 
 
-def test_latency_totals_sum_engines_for_the_served_model_only():
-    totals = metrics.latency_totals(LATENCY_EXPOSITION, model_name="tiny")
-    assert totals == {"time_to_first_token_seconds": (2.0, 6)}  # buckets, other model and e2e left out
+def test_server_timing_sums_engines_for_the_served_model_only():
+    values = metrics.parse(LATENCY_EXPOSITION, model_name="tiny")
+    assert values["time_to_first_token_seconds_sum"] == 2.0  # both engines, not the other model
+    assert values["time_to_first_token_seconds_count"] == 6
+    assert not any(name.startswith("e2e_request_latency") for name in values)  # buckets and other histograms out
+    assert "request_time_per_output_token_seconds_sum" not in values  # not exposed: absent, not zero
 
 
-def test_mean_latency_over_the_requests_between_two_scrapes():
-    before = {"time_to_first_token_seconds": (2.0, 6)}
-    after = {"time_to_first_token_seconds": (3.2, 10)}
-    assert metrics.mean_latency(before, after, "time_to_first_token_seconds") == pytest.approx(0.3)
-    assert metrics.mean_latency(after, after, "time_to_first_token_seconds") is None  # no request ended
-    assert metrics.mean_latency({}, {}, "request_time_per_output_token_seconds") is None  # not exposed
+def test_server_timing_means_over_the_requests_between_two_scrapes():
+    before = metrics.parse(LATENCY_EXPOSITION, model_name="tiny")
+    after = before | {"time_to_first_token_seconds_sum": 3.2, "time_to_first_token_seconds_count": 10.0}
+    figures = metrics.derived(metrics.delta(before, after))
+    assert figures["ttft_mean_s"] == pytest.approx(0.3)
+    assert figures["tpot_mean_s"] is None  # not exposed
+    assert metrics.derived(metrics.delta(after, after))["ttft_mean_s"] is None  # no request ended

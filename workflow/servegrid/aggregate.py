@@ -155,6 +155,14 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     server_metrics = meta["server_metrics"]
     row.update({f"server_{k}": v for k, v in server_metrics["derived"].items()})
     row["server_preemptions"] = server_metrics["delta"].get("num_preemptions")
+    # vLLM times the same requests itself (from their arrival in the server to its first token out, and
+    # per output token): what the client's mean adds to the server's, where both counted the same requests.
+    for figure, column in (("ttft", "ttft_s"), ("tpot", "tpot_s")):
+        timed = measured[column].dropna()
+        counted = server_metrics["delta"].get(f"{metrics.SERVER_TIMING[figure]}_count")
+        server_mean = row.setdefault(f"server_{figure}_mean_s", None)  # cell files older than the figure lack it
+        same_requests = server_mean is not None and counted == len(timed) > 0
+        row[f"{figure}_mean_minus_server_s"] = float(timed.mean() - server_mean) if same_requests else None
     gauges = server_metrics["gauges"]
     for gauge in metrics.GAUGES:
         for stat in ("max", "mean"):

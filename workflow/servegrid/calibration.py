@@ -59,6 +59,9 @@ class Counters:
     events: int = 0
     late_ns: list[int] = field(default_factory=list)
     seen_blocks: set[int] = field(default_factory=set)
+    # Its own timing of each request, as vLLM's histograms keep it: seconds summed, requests counted.
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
 
 
 class Vocabulary:
@@ -169,6 +172,16 @@ class CalibrationServer:
             f"# TYPE {usage_name} gauge",
             f"{usage_name}{label} {min(1.0, c.running / 64)}",
         ]
+        for histogram, values in (
+            ("vllm:time_to_first_token_seconds", c.ttft_s),
+            ("vllm:request_time_per_output_token_seconds", c.tpot_s),
+        ):
+            lines += [
+                f"# TYPE {histogram} histogram",
+                f'{histogram}_bucket{{le="+Inf",model_name="{self.model}"}} {len(values)}',
+                f"{histogram}_count{label} {len(values)}",
+                f"{histogram}_sum{label} {sum(values)}",
+            ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     # ---- streaming ---------------------------------------------------------------
@@ -213,6 +226,7 @@ class CalibrationServer:
         start = time.monotonic_ns()
         due = start + int(s.ttft_s * 1e9)
         produced = 0
+        first_ns = last_ns = start
         prompt_tokens = len(ids) + s.prompt_tokens_offset
         try:
             while produced < n_out:
@@ -238,10 +252,16 @@ class CalibrationServer:
                     "servegrid_late_ns": late,
                 }
                 await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                if produced == take:
+                    first_ns = sent
+                    self.counters.ttft_s.append((sent - start) / 1e9)
+                last_ns = sent
                 jitter = self.rng.uniform(-s.jitter_s, s.jitter_s) if s.jitter_s else 0.0
                 due += int(max(0.0, s.interval_s + jitter) * 1e9)
             await response.write(b"data: [DONE]\n\n")
             self.counters.generation_tokens += n_out
+            if n_out > 1:
+                self.counters.tpot_s.append((last_ns - first_ns) / 1e9 / (n_out - 1))
         finally:
             self.counters.running -= 1
         await response.write_eof()

@@ -28,6 +28,11 @@ COUNTERS = (
     "num_preemptions",
     "prompt_tokens",
     "generation_tokens",
+    # The server's own timing of the requests it finished (histograms: seconds summed, requests counted).
+    "time_to_first_token_seconds_sum",
+    "time_to_first_token_seconds_count",
+    "request_time_per_output_token_seconds_sum",
+    "request_time_per_output_token_seconds_count",
 )
 GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_waiting_capacity")
 
@@ -65,38 +70,6 @@ def parse(exposition: str, model_name: str | None = None) -> dict[str, float]:
     return values
 
 
-# The server's own timing of each request (vLLM's histograms), as (sum, count) over engines.
-LATENCY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_token_seconds")
-
-
-def latency_totals(exposition: str, model_name: str | None = None) -> dict[str, tuple[float, int]]:
-    """(sum of seconds, requests) of each histogram in LATENCY_HISTOGRAMS the server exposes."""
-    totals: dict[str, tuple[float, int]] = {}
-    for family in text_string_to_metric_families(exposition):
-        name = family.name.removeprefix("vllm:")
-        if name not in LATENCY_HISTOGRAMS:
-            continue
-        total, count = totals.get(name, (0.0, 0))
-        for sample in family.samples:
-            if model_name and sample.labels.get("model_name", model_name) != model_name:
-                continue
-            if sample.name.endswith("_sum"):
-                total += sample.value
-            elif sample.name.endswith("_count"):
-                count += int(sample.value)
-        totals[name] = (total, count)
-    return totals
-
-
-def mean_latency(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]], name: str) -> float | None:
-    """The server's mean of ``name`` over the requests that ended between two scrapes; None without any."""
-    if name not in after:
-        return None
-    total, count = after[name]
-    total0, count0 = before.get(name, (0.0, 0))
-    return (total - total0) / (count - count0) if count > count0 else None
-
-
 def cache_config(exposition: str) -> dict[str, str]:
     """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...), or {} if absent."""
     for family in text_string_to_metric_families(exposition):
@@ -120,6 +93,16 @@ def sum_deltas(deltas: list[dict[str, float | None]]) -> dict[str, float | None]
     return out
 
 
+# A latency figure → the vLLM histogram in which the server times it itself.
+SERVER_TIMING = {"ttft": "time_to_first_token_seconds", "tpot": "request_time_per_output_token_seconds"}
+
+
+def mean_of(counter_delta: dict[str, float | None], histogram: str) -> float | None:
+    """The server's mean of a histogram over the requests counted in ``counter_delta``; None without any."""
+    total, count = counter_delta.get(f"{histogram}_sum"), counter_delta.get(f"{histogram}_count")
+    return total / count if total is not None and count else None
+
+
 def derived(counter_delta: dict[str, float | None]) -> dict[str, float | None]:
     """Hit rate and speculative-decoding figures from counter deltas."""
     queries = counter_delta.get("prefix_cache_queries")
@@ -128,6 +111,7 @@ def derived(counter_delta: dict[str, float | None]) -> dict[str, float | None]:
     draft_tokens = counter_delta.get("spec_decode_num_draft_tokens")
     accepted = counter_delta.get("spec_decode_num_accepted_tokens")
     return {
+        **{f"{figure}_mean_s": mean_of(counter_delta, histogram) for figure, histogram in SERVER_TIMING.items()},
         "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,
         "spec_acceptance_rate": (accepted / draft_tokens) if draft_tokens and accepted is not None else None,
         # Tokens per verification step: one target token plus the accepted drafts.
