@@ -189,3 +189,26 @@ def test_streams_leave_no_read_stamps_behind(calibration):
         assert asyncio.run(three_streams()) == {}
     assert all(r.error is None and r.chunk_tokens == [1] * 5 for r in records)
     assert all(r.end_ns >= r.chunk_ns[-1] >= r.chunk_ns[0] > r.sent_ns for r in records)
+
+
+def test_a_stream_longer_than_aiohttps_default_buffer_is_read_whole(calibration):
+    # The body is read once, at its end: with aiohttp's default buffer (reading pauses past 128 KiB) a
+    # long stream would stall there. 3,000 events of about 300 bytes each.
+    with calibration(Script(ttft_s=0.0, interval_s=0.0)) as srv:
+        record = _record(3000)
+        asyncio.run(_stream(srv.url, {"model": "m", "prompt": [1, 2], "max_tokens": 3000}, record))
+    assert record.error is None
+    assert sum(record.chunk_tokens) == 3000 == record.output_tokens_reported
+
+
+def test_a_silent_server_fails_the_request_on_the_read_timeout(calibration):
+    with calibration(Script(ttft_s=5.0)) as srv:
+        record = _record()
+
+        async def impatient() -> None:
+            async with streaming_session(2, 0.3) as session:
+                await Streamer(session, srv.url).stream("/v1/completions", {"model": "m", "prompt": [1]}, record)
+
+        asyncio.run(impatient())
+    assert record.error and "Timeout" in record.error
+    assert (record.end_ns - record.sent_ns) / 1e9 < 3
