@@ -132,7 +132,7 @@ async def servegrid_client(url: str, served: str, prompts: list[str], concurrenc
         streamer = Streamer(session, url)
         done: list[RequestRecord] = []
 
-        async def session(s: int) -> None:
+        async def closed_loop(s: int) -> None:
             for i in range(s, len(prompts), concurrency):
                 record = RequestRecord(f"p{i}", s, i, "measured", 1, PROMPT_TOKENS, OUTPUT_TOKENS)
                 record.intended_send_ns = record.t0_ns = time.monotonic_ns()
@@ -145,7 +145,7 @@ async def servegrid_client(url: str, served: str, prompts: list[str], concurrenc
         collector = CollectorPause()
         collector.start()
         try:
-            await asyncio.gather(*(session(s) for s in range(concurrency)))
+            await asyncio.gather(*(closed_loop(s) for s in range(concurrency)))
         finally:
             collector.stop()
         streamer.decode_pending()
