@@ -104,7 +104,7 @@ def mean_of(counter_delta: dict[str, float | None], histogram: str) -> float | N
 
 
 def derived(counter_delta: dict[str, float | None]) -> dict[str, float | None]:
-    """Hit rate and speculative-decoding figures from counter deltas."""
+    """The server's own mean TTFT and TPOT, hit rate and speculative-decoding figures from counter deltas."""
     queries = counter_delta.get("prefix_cache_queries")
     hits = counter_delta.get("prefix_cache_hits")
     drafts = counter_delta.get("spec_decode_num_drafts")
