@@ -203,6 +203,7 @@ def pooled(rounds: list[dict[str, list[float]]], metric: str) -> list[float]:
 def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -> dict:
     """servegrid against upstream for one configuration and concurrency; ``ours``/``theirs``: one run per round."""
     p50 = lambda values: float(np.median(values)) * 1e3  # noqa: E731 - ms
+    clients = (("servegrid", ours), ("upstream", theirs))
     row: dict = {"configuration": name, "concurrency": concurrency, "requests_each": len(pooled(ours, "ttft"))}
     for metric in ("ttft", "tpot"):
         a, b = pooled(ours, metric), pooled(theirs, metric)
@@ -223,8 +224,7 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
     # Against the server's own timing of the very requests each client sent (vLLM's histograms): each
     # client's mean over the server's mean in its turn, then servegrid's over upstream's. What the queue
     # lottery and the server's drift do to a turn, the server's figure sees too, so it cancels; what is
-    # left is how the two clients measure.
-    # Only where the server timed exactly the requests the client did.
+    # left is how the two clients measure. Only where the server timed exactly the requests the client did.
     server_timed = all(
         run["server"]["ttft"] and run["server"]["tpot"] and run["server"]["requests"] == len(run["ttft"])
         for run in ours + theirs
@@ -234,8 +234,7 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
             row[f"{metric}_server_normalized_ratio"], row[f"{metric}_server_normalized_ratio_ci"] = None, (None, None)
             continue
         over_server = {
-            tool: [float(np.mean(run[metric])) / run["server"][metric] for run in runs]
-            for tool, runs in (("servegrid", ours), ("upstream", theirs))
+            tool: [float(np.mean(run[metric])) / run["server"][metric] for run in runs] for tool, runs in clients
         }
         normalized = [a / b for a, b in zip(over_server["servegrid"], over_server["upstream"], strict=True)]
         row[f"{metric}_server_normalized_ratio"] = float(np.median(normalized))
@@ -243,7 +242,7 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
         row[f"{metric}_client_over_server"] = {tool: float(np.median(v)) for tool, v in over_server.items()}
         row[f"{metric}_client_minus_server_ms"] = {
             tool: float(np.median([(np.mean(run[metric]) - run["server"][metric]) * 1e3 for run in runs]))
-            for tool, runs in (("servegrid", ours), ("upstream", theirs))
+            for tool, runs in clients
         }
     row["itl_p50_ms"] = {
         "servegrid_per_token": p50(pooled(ours, "itl_token")),
@@ -257,13 +256,10 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
     if len(ours) > 1:
         row["self_ratio"] = {
             tool: {m: p50(pooled(runs[0::2], m)) / p50(pooled(runs[1::2], m)) for m in ("ttft", "tpot")}
-            for tool, runs in (("servegrid", ours), ("upstream", theirs))
+            for tool, runs in clients
         }
     # Every value, per client and round, so that a distribution can be looked at, not only its p50.
-    row["values_s"] = {
-        tool: [{m: run[m] for m in ("ttft", "tpot")} for run in runs]
-        for tool, runs in (("servegrid", ours), ("upstream", theirs))
-    }
+    row["values_s"] = {tool: [{m: run[m] for m in ("ttft", "tpot")} for run in runs] for tool, runs in clients}
     return row
 
 

@@ -192,8 +192,8 @@ def test_streams_leave_no_read_stamps_behind(calibration):
 
 
 def test_a_stream_longer_than_aiohttps_default_buffer_is_read_whole(calibration):
-    # The body is read once, at its end: with aiohttp's default buffer (reading pauses past 128 KiB) a
-    # long stream would stall there. 3,000 events of about 300 bytes each.
+    # aiohttp stops reading a socket once 128 KiB wait unread (its default buffer): a reader that drained
+    # the body only at its end would stall there. 3,000 events of about 300 bytes each.
     with calibration(Script(ttft_s=0.0, interval_s=0.0)) as srv:
         record = _record(3000)
         asyncio.run(_stream(srv.url, {"model": "m", "prompt": [1, 2], "max_tokens": 3000}, record))

@@ -76,8 +76,8 @@ def rank_matched_ratios(
     each rank still compare like with like. Counts that differ are matched at
     the same quantiles (the smaller count's).
     """
-    a = np.sort(np.asarray(numerator, dtype=float))
-    b = np.sort(np.asarray(denominator, dtype=float))
+    a = np.asarray(numerator, dtype=float)
+    b = np.asarray(denominator, dtype=float)
     a, b = a[~np.isnan(a)], b[~np.isnan(b)]
     count = min(a.size, b.size)
     if count == 0:
