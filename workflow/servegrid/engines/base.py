@@ -1,0 +1,105 @@
+"""The engine boundary: everything servegrid needs to know about one kind of inference server.
+
+The server lifecycle (:mod:`servegrid.server`), the cell (:mod:`servegrid.cell`),
+the workload modes (:mod:`servegrid.modes`) and the client talk to an engine
+through this protocol only; nothing outside ``servegrid/engines/`` names a vLLM
+flag, endpoint, environment variable or metric. A second engine is one more
+module implementing :class:`Engine`, registered in :mod:`servegrid.engines`
+(the tests register the calibration server this way, see
+``servegrid.testing.engine``).
+
+Metric names returned by :meth:`Engine.parse_metrics` are servegrid's canonical
+ones (:data:`servegrid.metrics.COUNTERS` and :data:`servegrid.metrics.GAUGES`),
+whatever the engine calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+
+@dataclass(frozen=True)
+class StartupFacts:
+    """What an engine's start-up log says about its capacity (None where it does not say)."""
+
+    kv_cache_tokens: int | None = None
+    max_concurrency: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a running engine says about itself once warmed up (None where it does not say)."""
+
+    version: str | None = None
+    max_model_len: int | None = None
+    block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
+
+
+class Engine(Protocol):
+    """One kind of inference server, as servegrid launches, drives and reads it."""
+
+    kind: str  # the config's engine.kind
+    display_name: str  # as the report names it ("vLLM")
+    health_path: str
+    metrics_path: str
+    completions_path: str
+    chat_path: str
+
+    # ---- configuration and launch ------------------------------------------------------
+    def check_config(self, engine_args: Sequence[str], configuration_args: Mapping[str, Sequence[str]],
+                     env: Mapping[str, Mapping[str, str]], tiny_model: bool) -> None:  # fmt: skip
+        """Raise :class:`servegrid.errors.ConfigError`, naming the key, for flags or variables servegrid sets
+        itself (``configuration_args``/``env`` are keyed by config path, e.g. ``configurations.mtp.args``)."""
+
+    def feature_flags(self, prefix_caching: bool, speculative: Mapping[str, Any] | None) -> list[str]:
+        """The launch flags that turn the compared features on or off."""
+
+    def argv(self, command: Sequence[str], model: str, served_name: str, host: str, port: int,
+             args: Sequence[str]) -> list[str]:  # fmt: skip
+        """The server's full argv (never a shell string)."""
+
+    def server_env(self, env: Mapping[str, str], gpus: Sequence[int], api_key: str | None) -> dict[str, str]:
+        """Environment overrides for the server: ``env``, its devices and its API key."""
+
+    def public_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """``env`` with every secret masked, for logs, records and reports."""
+
+    def startup_facts(self, log_text: str) -> StartupFacts:
+        """Capacity facts from the server's start-up log."""
+
+    # ---- control plane (never timed) -------------------------------------------------------
+    def warm_up(self, client: httpx.Client, url: str, model: str) -> None:
+        """One unmeasured request (the first after start is slow); raise ServerError if it fails."""
+
+    def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
+        """Version, context limit and KV block size, as the running server reports them."""
+
+    def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
+        """Empty the server's prefix cache if it lets us; True when it did."""
+
+    def tokenize(self, client: httpx.Client, url: str, model: str, text: str) -> list[int]:
+        """``text`` as the server's tokenizer makes it (no special tokens)."""
+
+    def chat_prompt_tokens(self, client: httpx.Client, url: str, model: str,
+                           messages: Sequence[Mapping[str, str]]) -> int:  # fmt: skip
+        """Prompt length of ``messages`` as the server's chat template and tokenizer make it."""
+
+    def detokenize(self, client: httpx.Client, url: str, model: str, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``."""
+
+    # ---- measured requests ----------------------------------------------------------------
+    def completion_payload(self, model: str, prompt: Sequence[int], output_tokens: int,
+                           temperature: float) -> dict[str, Any]:  # fmt: skip
+        """A streaming completion of exactly ``output_tokens`` tokens, with usage in every chunk."""
+
+    def chat_payload(self, model: str, messages: Sequence[Mapping[str, str]], output_tokens: int,
+                     temperature: float) -> dict[str, Any]:  # fmt: skip
+        """A streaming chat completion of exactly ``output_tokens`` tokens, with usage in every chunk."""
+
+    # ---- the server's own metrics -----------------------------------------------------------
+    def parse_metrics(self, exposition: str, model: str | None) -> dict[str, float]:
+        """The metrics page reduced to servegrid's canonical names, summed over label sets."""

@@ -1,0 +1,245 @@
+"""vLLM as servegrid's engine: its flags, environment, endpoints, log lines and metric names.
+
+Everything vLLM-specific lives here (see :mod:`servegrid.engines.base` for the
+contract). Metric names changed across vLLM releases
+(``vllm:gpu_prefix_cache_hits`` became ``vllm:prefix_cache_hits``;
+``gpu_cache_usage_perc`` became ``kv_cache_usage_perc``; counters gained
+``_total`` in the exposition): every sample is reduced to servegrid's canonical
+name and summed over engines and other labels, keeping only the served model's
+series when the server labels them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from servegrid import metrics
+from servegrid.engines.base import EngineFacts, StartupFacts
+from servegrid.errors import ConfigError, ServerError
+
+KV_TOKENS_RE = re.compile(r"(?:GPU|CPU|XPU|TPU)? ?KV cache size: ([\d,]+) tokens")
+MAX_CONCURRENCY_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+
+# Flags servegrid sets itself; a configuration that also set them would be ambiguous.
+RESERVED_FLAGS = (
+    "--host",
+    "--port",
+    "--model",
+    "--served-model-name",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--speculative-config",
+)
+API_KEY_VAR = "VLLM_API_KEY"  # what vLLM's server reads its key from
+
+_ALIASES = {
+    "gpu_prefix_cache_queries": "prefix_cache_queries",
+    "gpu_prefix_cache_hits": "prefix_cache_hits",
+    "gpu_cache_usage_perc": "kv_cache_usage_perc",
+    "cpu_cache_usage_perc": "kv_cache_usage_perc",
+}
+
+
+def normalized_flag(arg: str) -> str:
+    """The flag an argument sets, as vLLM's parser reads it: ``--a_b=1`` is ``--a-b``."""
+    flag = arg.split("=", 1)[0]
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
+def canonical_name(sample_name: str) -> str:
+    name = sample_name.removeprefix("vllm:")
+    if name.endswith("_created"):  # creation timestamps, never values
+        return ""
+    name = name.removesuffix("_total")
+    return _ALIASES.get(name, name)
+
+
+def cache_config(exposition: str) -> dict[str, str]:
+    """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...), or {} if absent."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name.removeprefix("vllm:") == "cache_config_info":
+                return dict(sample.labels)
+    return {}
+
+
+def _streaming(payload: dict[str, Any]) -> dict[str, Any]:
+    # Usage in every chunk: a chunk's token count is the increase of completion_tokens, so a chunk
+    # that carries several speculative tokens counts for all of them.
+    return {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+class VLLMEngine:
+    """vLLM's OpenAI-compatible server (``vllm serve`` or ``-m vllm.entrypoints.openai.api_server``)."""
+
+    kind = "vllm"
+    display_name = "vLLM"
+    health_path = "/health"
+    metrics_path = "/metrics"
+    completions_path = "/v1/completions"
+    chat_path = "/v1/chat/completions"
+
+    # ---- configuration and launch ------------------------------------------------------
+    def check_config(
+        self,
+        engine_args: Sequence[str],
+        configuration_args: Mapping[str, Sequence[str]],
+        env: Mapping[str, Mapping[str, str]],
+        tiny_model: bool,
+    ) -> None:
+        for where, args in {"engine.args": engine_args, **configuration_args}.items():
+            for arg in args:
+                flag = normalized_flag(arg)
+                if flag in RESERVED_FLAGS:
+                    raise ConfigError(
+                        f"{where}: '{arg.split('=', 1)[0]}' is set by servegrid "
+                        "(use prefix_caching, speculative, model.served_name or operations instead)"
+                    )
+        for where, variables in env.items():
+            if "CUDA_VISIBLE_DEVICES" in variables:
+                raise ConfigError(f"{where}: set GPUs with 'gpus', not CUDA_VISIBLE_DEVICES")
+            if API_KEY_VAR in variables:
+                raise ConfigError(f"{where}: name the key's variable in engine.api_key_env, not {API_KEY_VAR}")
+        if tiny_model:
+            joined = " ".join(engine_args)
+            if "--load-format dummy" not in joined and "--load-format=dummy" not in joined:
+                raise ConfigError(
+                    "engine.args: model.tiny builds a folder without weights, so the engine needs '--load-format dummy'"
+                )
+
+    def feature_flags(self, prefix_caching: bool, speculative: Mapping[str, Any] | None) -> list[str]:
+        flags = ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        if speculative:
+            flags += ["--speculative-config", json.dumps(speculative, sort_keys=True, separators=(",", ":"))]
+        return flags
+
+    def argv(
+        self, command: Sequence[str], model: str, served_name: str, host: str, port: int, args: Sequence[str]
+    ) -> list[str]:
+        return [
+            *(part.replace("{model}", model) for part in command),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--served-model-name",
+            served_name,
+            *args,
+        ]
+
+    def server_env(self, env: Mapping[str, str], gpus: Sequence[int], api_key: str | None) -> dict[str, str]:
+        out = dict(env)
+        if gpus:
+            out["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        if api_key:
+            out[API_KEY_VAR] = api_key
+        return out
+
+    def public_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        return {k: ("***" if k == API_KEY_VAR else v) for k, v in env.items()}
+
+    def startup_facts(self, log_text: str) -> StartupFacts:
+        kv = KV_TOKENS_RE.search(log_text)
+        conc = MAX_CONCURRENCY_RE.search(log_text)
+        return StartupFacts(
+            kv_cache_tokens=int(kv.group(1).replace(",", "")) if kv else None,
+            max_concurrency=float(conc.group(2)) if conc else None,
+        )
+
+    # ---- control plane -----------------------------------------------------------------
+    def warm_up(self, client: httpx.Client, url: str, model: str) -> None:
+        response = client.post(
+            f"{url}{self.completions_path}",
+            json={"model": model, "prompt": "warm up", "max_tokens": 8, "temperature": 0},
+        )
+        if response.status_code != 200:
+            raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
+
+    def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
+        version = max_model_len = block_size = None
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            version = client.get(f"{url}/version").json()["version"]
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            max_model_len = client.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            block_size = int(cache_config(client.get(f"{url}{self.metrics_path}").text)["block_size"])
+        return EngineFacts(version=version, max_model_len=max_model_len, block_size=block_size)
+
+    def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
+        # Served only with VLLM_SERVER_DEV_MODE=1; without it every cell still starts from fresh prompts.
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            response = client.post(f"{url}/reset_prefix_cache")
+            return response.status_code == 200 and bool(response.json().get("success"))
+        return False
+
+    def tokenize(self, client: httpx.Client, url: str, model: str, text: str) -> list[int]:
+        response = client.post(f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+        response.raise_for_status()
+        return list(response.json()["tokens"])
+
+    def chat_prompt_tokens(
+        self, client: httpx.Client, url: str, model: str, messages: Sequence[Mapping[str, str]]
+    ) -> int:
+        response = client.post(
+            f"{url}/tokenize", json={"model": model, "messages": list(messages), "add_generation_prompt": True}
+        )
+        response.raise_for_status()
+        return int(response.json()["count"])
+
+    def detokenize(self, client: httpx.Client, url: str, model: str, tokens: Sequence[int]) -> str:
+        response = client.post(f"{url}/detokenize", json={"model": model, "tokens": list(tokens)})
+        response.raise_for_status()
+        return str(response.json()["prompt"])
+
+    # ---- measured requests ---------------------------------------------------------------
+    def completion_payload(
+        self, model: str, prompt: Sequence[int], output_tokens: int, temperature: float
+    ) -> dict[str, Any]:
+        return _streaming(
+            {
+                "model": model,
+                "prompt": list(prompt),
+                "max_tokens": output_tokens,
+                "min_tokens": output_tokens,
+                "ignore_eos": True,
+                "temperature": temperature,
+            }
+        )
+
+    def chat_payload(
+        self, model: str, messages: Sequence[Mapping[str, str]], output_tokens: int, temperature: float
+    ) -> dict[str, Any]:
+        return _streaming(
+            {
+                "model": model,
+                "messages": list(messages),
+                "max_tokens": output_tokens,
+                "min_tokens": output_tokens,
+                "ignore_eos": True,
+                "temperature": temperature,
+            }
+        )
+
+    # ---- metrics ---------------------------------------------------------------------------
+    def parse_metrics(self, exposition: str, model: str | None) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(exposition):
+            for sample in family.samples:
+                name = canonical_name(sample.name)
+                labels = sample.labels
+                if name == "num_requests_waiting_by_reason":
+                    # vLLM >= 0.11 splits waiting requests by reason; "capacity" is the scheduler's queue.
+                    name = f"num_requests_waiting_{labels.get('reason', '')}"
+                if name not in metrics.COUNTERS and name not in metrics.GAUGES:
+                    continue
+                if model and "model_name" in labels and labels["model_name"] != model:
+                    continue
+                values[name] = values.get(name, 0.0) + float(sample.value)
+        return values

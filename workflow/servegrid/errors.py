@@ -1,0 +1,74 @@
+"""servegrid's one error hierarchy.
+
+Every failure servegrid expects (bad input, a server that will not start, a cell
+that measured nothing, an unreadable cell file, a report that cannot be built)
+is a :class:`ServegridError`. The CLI and the Snakemake jobs catch this root in
+one place (:func:`guarded`) and print its message as one clear first line; anything
+else is a bug and keeps its traceback.
+
+    ServegridError
+    ├── ConfigError        the configuration (or a command-line argument) is wrong
+    │   └── UnknownModeError   a workload mode no module registered
+    ├── ServerError        an inference server: start-up, health, identity, teardown
+    ├── CellError          a cell could not be measured; nothing was written
+    ├── CellFileError      a cell file cannot be read back
+    └── ReportError        figures or a report could not be built
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+
+class ServegridError(Exception):
+    """Root of every error servegrid raises on purpose; the message names what is wrong."""
+
+    exit_code = 1
+
+
+class ConfigError(ServegridError, ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+    exit_code = 2
+
+
+class UnknownModeError(ConfigError, KeyError):
+    """A workload mode that no module registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ServerError(ServegridError):
+    """A server could not be brought up or used; the message says why and where its log is."""
+
+
+class CellError(ServegridError):
+    """The cell could not be measured; nothing was written."""
+
+
+class CellFileError(ServegridError):
+    """A cell file cannot be read: damaged, truncated or not servegrid's; the message names the file."""
+
+
+class ReportError(ServegridError):
+    """Figures or a report could not be built."""
+
+
+def guarded(body: Callable[[], int | None], log: logging.Logger | None = None) -> int:
+    """Run ``body``; a :class:`ServegridError` becomes one ``servegrid: error: …`` message and an exit code.
+
+    The one place where expected failures are caught, for the CLI and for every
+    Snakemake job alike, so the terminal and the job's log show the same text.
+    """
+    try:
+        return int(body() or 0)
+    except ServegridError as exc:
+        message = f"servegrid: error: {exc}"
+        if log is not None:
+            log.error("%s", message)
+        else:
+            print(message, file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,202 @@
+"""What a workload mode is: :class:`Mode`, and the :class:`WorkloadContext` its runner drives.
+
+A mode is one module under ``servegrid/modes/`` that builds one :class:`Mode`
+and registers it (:func:`servegrid.modes.register`). The mode holds everything
+the pipeline needs to know about it: how to run it, the figure it is judged by,
+what prefix-cache hit rate it should produce, its config schema, its figures,
+its extra summary columns and its words for the report (marked with ``N_`` so
+that ``pybabel extract -k N_`` puts them in the catalogues).
+
+Nothing here imports the streaming client, so aggregation and the report can
+read the registry without aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from servegrid.request_record import RequestRecord
+
+if TYPE_CHECKING:
+    import httpx
+
+    from servegrid.client import Streamer
+    from servegrid.engines import Engine
+    from servegrid.prompts import PromptBuilder
+
+MeasureHook = Callable[[], Awaitable[None]]
+Runner = Callable[["WorkloadContext", MeasureHook], Awaitable[None]]
+
+
+def N_(message: str) -> str:
+    """Mark ``message`` for the catalogues; it is translated where it is shown."""
+    return message
+
+
+@dataclass(frozen=True)
+class Primary:
+    """The figure a mode is judged by."""
+
+    column: str  # a per-request column of the requests table
+    higher_is_better: bool
+    unit: str  # "seconds" or "rate": how the report writes the value
+    axis_label: str  # N_: the figures' y axis
+    header: str  # N_: the report table's column header
+    verdict_word: str  # N_ (or a symbol): what a factor measures, "1,3–1,9× decode"
+    turn: int | None = None  # only this conversation turn's requests
+
+    @property
+    def metric(self) -> str:
+        return self.column if self.turn is None else f"{self.column}@turn{self.turn}"
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    """One figure of a mode: ``kind`` names the drawing (servegrid.figures.Painter), ``options`` its settings."""
+
+    name: str
+    kind: str
+    title: str  # N_: the image's alt text
+    caption: str  # N_
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Everything about one workload mode (see the module docstring)."""
+
+    name: str
+    run: Runner
+    primary: Primary
+    title: str  # N_: "Decode"
+    short_title: str  # N_: "Decode, cold prompts" (verdict tables)
+    class_title: str  # N_: the verdict class of the same name
+    section_title: str  # N_: the report section's heading
+    description: str  # N_: the section's first paragraph; placeholders from describe()
+    context_title: str  # N_: a figure panel's title, "%(tokens)s"
+    context_header: str  # N_: the context column's header ("Prompt", "Prefix", "Context")
+    schema: Mapping[str, Any]  # JSON-schema properties of this mode's own settings (with defaults)
+    defaults: Mapping[str, Any]  # defaults of the settings every mode has (output_tokens, ...)
+    figures: tuple[FigureSpec, ...] = ()
+    conclusion: str | None = None  # N_: the conclusion's sentence when a configuration wins this class
+    summary_columns: tuple[str, ...] = ()  # extra summary columns (None for other modes' cells)
+    partial: str | None = None  # an extra report template section (report/templates/modes/...)
+    summarize: Callable[[pd.DataFrame, pd.DataFrame], dict[str, Any]] | None = None
+    expected_hits: Callable[[Mapping[str, Any], pd.DataFrame, int], float] | None = None
+    corpus_extra: Callable[[Mapping[str, Any]], int] = lambda workload: 0
+    # The description's placeholders from the mode's settings (numbers and lists of numbers).
+    describe: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda workload: {}
+
+    def expected_hit_rate(
+        self, prefix_caching: bool, settings: Mapping[str, Any], measured: pd.DataFrame, block_size: int | None
+    ) -> float:
+        """The prefix-cache hit rate this mode should produce over ``measured``: 0 without prefix caching."""
+        if not prefix_caching or measured.empty or self.expected_hits is None:
+            return 0.0
+        return float(self.expected_hits(settings, measured, block_size or 1))
+
+    def extra_columns(self, valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any]:
+        """This mode's own summary columns for one cell (valid measured requests; every request)."""
+        return dict(self.summarize(valid, cell_frame)) if self.summarize else {}
+
+    def corpus_tokens(self, settings: Mapping[str, Any]) -> int:
+        """Tokens of prompt text a cell needs: its longest request plus headroom."""
+        longest = settings["context"] + self.corpus_extra(settings["workload"])
+        return min(max(longest + 512, 4096), 200_000)
+
+
+@dataclass
+class WorkloadContext:
+    """What a mode's runner works with: the cell's settings, the engine, the streamer and the prompts."""
+
+    mode: str
+    context: int
+    concurrency: int
+    workload: dict[str, Any]
+    temperature: float
+    model: str
+    engine: Engine
+    streamer: Streamer
+    builder: PromptBuilder
+    sync_client: httpx.Client
+    url: str
+    records: list[RequestRecord] = field(default_factory=list)
+
+    def new_record(
+        self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
+    ) -> RequestRecord:
+        record = RequestRecord(
+            request_id=label or f"{phase}-s{session}-r{seq}-t{turn}",
+            session=session,
+            seq=seq,
+            phase=phase,
+            turn=turn,
+            prompt_tokens_requested=prompt_tokens,
+            output_tokens_requested=self.workload["output_tokens"],
+        )
+        self.records.append(record)
+        return record
+
+    async def complete(self, record: RequestRecord, prompt: list[int]) -> None:
+        """Send ``prompt``; its stream is decoded once the cell's streams are over (Streamer.decode_pending)."""
+        payload = self.engine.completion_payload(self.model, prompt, self.workload["output_tokens"], self.temperature)
+        await self.streamer.stream(self.engine.completions_path, payload, record, decode=False)
+
+    async def chat(self, record: RequestRecord, messages: list[dict[str, str]]) -> None:
+        """Send a chat turn and decode it at once: the next turn needs the reply's text."""
+        payload = self.engine.chat_payload(self.model, messages, self.workload["output_tokens"], self.temperature)
+        record.messages = list(messages)
+        await self.streamer.stream(self.engine.chat_path, payload, record)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(self.sync_client, self.url, self.model, text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.engine.detokenize(self.sync_client, self.url, self.model, tokens)
+
+    def chat_prompt_tokens(self, messages: Sequence[Mapping[str, str]]) -> int:
+        return self.engine.chat_prompt_tokens(self.sync_client, self.url, self.model, messages)
+
+    def may_start(self, start_ns: int) -> bool:
+        """False once the measured phase has run for ``duration_s`` (when set)."""
+        duration = self.workload.get("duration_s")
+        return duration is None or time.monotonic_ns() - start_ns < duration * 1e9
+
+
+async def run_sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitable[None]]) -> None:
+    """Run ``concurrency`` closed-loop sessions that start at one instant.
+
+    ``body(session, start_ns)`` sends that session's requests back to back.
+    """
+    start_ns = time.monotonic_ns()
+    await asyncio.gather(*(body(s, start_ns) for s in range(ctx.concurrency)))
+
+
+async def send_one_by_one(ctx: WorkloadContext, phase: str, prompts: Sequence[list[int]], turn_of_index: bool = False) -> None:
+    """Send ``prompts`` one after another from session 0, unmeasured (warm-up, probe)."""
+    for i, prompt in enumerate(prompts):
+        record = ctx.new_record(0, i, phase, len(prompt), turn=i + 1 if turn_of_index else 1)
+        record.intended_send_ns = time.monotonic_ns()
+        await ctx.complete(record, prompt)
+
+
+async def closed_loop(ctx: WorkloadContext, prompts: Sequence[Sequence[list[int]]]) -> None:
+    """The measured phase of a completion mode: session ``s`` sends ``prompts[s]`` back to back."""
+
+    async def session(s: int, start_ns: int) -> None:
+        intended = start_ns
+        for r, prompt in enumerate(prompts[s]):
+            if not ctx.may_start(start_ns):
+                break
+            record = ctx.new_record(s, r, "measured", len(prompt))
+            record.intended_send_ns = intended
+            await ctx.complete(record, prompt)
+            intended = record.end_ns or time.monotonic_ns()
+
+    await run_sessions(ctx, session)

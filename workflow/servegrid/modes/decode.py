@@ -1,0 +1,61 @@
+"""decode: cold prompts of exactly ``context`` tokens, exactly ``output_tokens`` out.
+
+Primary figure: decode tokens/s per session, (output tokens − 1) / (e2e − TTFT).
+Nothing is shared between requests, so no prefix-cache hit is expected.
+"""
+
+from __future__ import annotations
+
+from servegrid.modes.registry import register
+from servegrid.modes.base import FigureSpec, MeasureHook, Mode, N_, Primary, WorkloadContext, closed_loop, send_one_by_one
+
+
+async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
+    w = ctx.workload
+    warmups = [ctx.builder.unique(ctx.context, f"warmup {i}") for i in range(w["warmup_requests"])]
+    prompts = [
+        [ctx.builder.unique(ctx.context, f"s{s} r{r}") for r in range(w["requests_per_session"])]
+        for s in range(ctx.concurrency)
+    ]
+    await send_one_by_one(ctx, "warmup", warmups)
+    await measure()
+    await closed_loop(ctx, prompts)
+
+
+MODE = register(
+    Mode(
+        name="decode",
+        run=run,
+        primary=Primary(
+            "decode_tps",
+            higher_is_better=True,
+            unit="rate",
+            axis_label=N_("decode tokens/s per session (p50)"),
+            header=N_("tok/s per session"),
+            verdict_word=N_("decode"),
+        ),
+        title=N_("Decode"),
+        short_title=N_("Decode, cold prompts"),
+        class_title=N_("Decode-heavy work, long generations, cold prompts"),
+        section_title=N_("Decode: cold prompts, long generations"),
+        description=N_(
+            "Prompts of %(prompt)s tokens that share nothing with any earlier request, exactly %(output)s "
+            "output tokens each. The figure is the decode speed one session sees: (output tokens − 1) / (end − first "
+            "token)."
+        ),
+        context_title=N_("prompt of %(tokens)s tokens"),
+        context_header=N_("Prompt"),
+        schema={},
+        defaults={"output_tokens": 512, "requests_per_session": 3},
+        figures=(
+            FigureSpec(
+                "decode_tps",
+                "primary_by_concurrency",
+                N_("Decode tokens/s per session vs concurrent sessions"),
+                N_("Decode tokens/s per session (p50, 95%% CI) vs concurrent sessions, one line per configuration."),
+            ),
+        ),
+        describe=lambda w: {"prompt": list(w["contexts"]), "output": w["output_tokens"]},
+        conclusion=N_("%(winner)s pays off for decode-heavy work on cold prompts (%(range)s)."),
+    )
+)
