@@ -60,7 +60,7 @@ clean-results:
 	$(VENV)/bin/servegrid server down --all --config config/cpu-demo.yaml || true
 	rm -rf results .snakemake
 
-# The client's accuracy and headroom (README, "How accurate is it?"); writes benchmarks/out/*.json.
+# The client's accuracy and headroom (docs/accuracy.md); writes benchmarks/out/*.json.
 bench: setup
 	$(VENV)/bin/python benchmarks/client_overhead.py
 	$(VENV)/bin/python benchmarks/upstream_compare.py

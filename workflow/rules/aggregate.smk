@@ -17,7 +17,7 @@ rule aggregate:
     conda:
         "../../envs/pipeline.yaml"
     params:
-        verdict_rules=canonical_json(EXPERIMENT.raw["verdict"]),
-        validity=canonical_json(EXPERIMENT.raw["validity"]),
+        verdict_rules=as_params(EXPERIMENT.verdict),
+        validity=as_params(EXPERIMENT.validity),
     script:
         "../scripts/aggregate.py"

@@ -1,17 +1,17 @@
 """Configuration, the grid, and the helpers every rule file uses."""
 
 import os
+from dataclasses import asdict
 from pathlib import Path
-
-from snakemake.utils import validate
 
 from servegrid import paths
 from servegrid import server as servers
 from servegrid.config import Experiment, canonical_json
-from servegrid.figures import figure_paths
+from servegrid.figure_list import figure_paths
 from servegrid.procs import ProcessRef
 
-validate(config, "../schemas/config.schema.yaml")
+# Validated against workflow/schemas/config.schema.yaml (with each workload mode's own
+# settings from its module) before any job runs; an error names the key.
 EXPERIMENT = Experiment(
     config,
     source=", ".join(str(p) for p in workflow.config_settings.configfiles)
@@ -20,7 +20,7 @@ EXPERIMENT = Experiment(
 CONFIGURATIONS = list(EXPERIMENT.configurations)
 LANGUAGES = EXPERIMENT.languages
 REPORT_TEMPLATES = sorted(
-    str(p) for p in Path("report/templates").glob("*") if p.is_file()
+    str(p) for p in Path("report/templates").rglob("*") if p.is_file()
 )
 
 # Servers that this run's cells start belong to this Snakemake process: their
@@ -66,6 +66,11 @@ def all_server_stops():
     return [paths.server_stop(name) for name in CONFIGURATIONS]
 
 
+def as_params(section):
+    """A typed config section as a declared input of a rule (a stable string)."""
+    return canonical_json(asdict(section))
+
+
 def device_slots():
     """Snakemake resources that keep one cell per device at a time: gpu<i> for every GPU a
     configuration names, cpu_server for configurations without GPUs. Their limits (1 each)
@@ -73,20 +78,20 @@ def device_slots():
 
     def uses(gpu):
         return lambda wildcards: int(
-            gpu in EXPERIMENT.configurations[wildcards.configuration]["gpus"]
+            gpu in EXPERIMENT.configuration(wildcards.configuration).gpus
         )
 
-    indices = sorted({g for c in EXPERIMENT.configurations.values() for g in c["gpus"]})
+    indices = sorted({g for c in EXPERIMENT.configurations.values() for g in c.gpus})
     slots = {f"gpu{i}": uses(i) for i in indices}
     slots["cpu_server"] = lambda wildcards: int(
-        not EXPERIMENT.configurations[wildcards.configuration]["gpus"]
+        not EXPERIMENT.configuration(wildcards.configuration).gpus
     )
     return slots
 
 
 # Snakemake runs the highest priority ready job first: per configuration, its
 # server_spec, its cells, then its server_stop, before the next configuration.
-# So each server starts at most once per run and is stopped before the next one
+# So each server starts at most once per run, and is stopped before the next one
 # needs the machine.
 def cell_priority(wildcards):
     return 1000 - 3 * EXPERIMENT.configuration_index(wildcards.configuration)
@@ -101,11 +106,7 @@ def stop_priority(wildcards):
 
 
 def model_inputs(wildcards):
-    return (
-        []
-        if EXPERIMENT.tiny_model_spec() is None
-        else [EXPERIMENT.raw["model"]["path"]]
-    )
+    return [] if EXPERIMENT.tiny_model_spec() is None else [EXPERIMENT.model.path]
 
 
 def stop_all_servers(reason):

@@ -14,5 +14,7 @@ rule figures:
         "../../envs/pipeline.yaml"
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
+        # Labels and roles are drawn: editing one redraws the figures (and nothing upstream).
+        shown=canonical_json(EXPERIMENT.figure_presentation()),
     script:
         "../scripts/figures.py"

@@ -4,7 +4,7 @@ if EXPERIMENT.tiny_model_spec() is not None:
 
     rule tiny_model:
         output:
-            directory(EXPERIMENT.raw["model"]["path"]),
+            directory(EXPERIMENT.model.path),
         log:
             "results/logs/tiny_model.log",
         conda:

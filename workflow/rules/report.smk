@@ -20,5 +20,7 @@ rule report_document:
         "../../envs/pipeline.yaml"
     params:
         figures_dir=lambda wildcards, input: os.path.dirname(input.figures[0]),
+        # The title, hardware, labels, flags and settings the report prints: editing one rebuilds the reports.
+        shown=canonical_json(EXPERIMENT.presentation()),
     script:
         "../scripts/render_report.py"

@@ -15,30 +15,13 @@ prompt and output token counts that were requested.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from servegrid import atomic, metrics, records, stats
-from servegrid.config import Experiment
-
-
-@dataclass(frozen=True)
-class Primary:
-    """The figure a mode is judged by."""
-
-    column: str
-    higher_is_better: bool
-    turn: int | None = None  # multi_turn: only this turn's requests
-
-
-PRIMARY: dict[str, Primary] = {
-    "decode": Primary("decode_tps", higher_is_better=True),
-    "single_turn": Primary("ttft_s", higher_is_better=False),
-    "multi_turn": Primary("ttft_s", higher_is_better=False, turn=2),
-}
+from servegrid import atomic, metrics, modes, records, stats, verdict
+from servegrid.config import Experiment, Validity
 
 CELL_KEYS = ["configuration", "mode", "context", "concurrency"]
 PER_REQUEST = ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s", "ttft_from_intended_s", "e2e_from_intended_s")
@@ -91,18 +74,19 @@ def per_token_itl(chunk_times: np.ndarray, chunk_tokens: np.ndarray) -> np.ndarr
 
 def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experiment) -> dict[str, Any]:
     cell = meta["cell"]
-    mode = cell["mode"]
+    mode = modes.get(cell["mode"])
     measured = frame[frame["phase"] == "measured"]
     valid = measured[measured["valid"]]
-    primary = PRIMARY[mode]
+    primary = mode.primary
     primary_rows = valid if primary.turn is None else valid[valid["turn"] == primary.turn]
-    conf = experiment.configurations.get(cell["configuration"], {})
+    # Labels are presentation (the figures' and the report's, from the config): no label in the tables.
+    conf = experiment.configurations.get(cell["configuration"])
+    server = meta["server"]
     row: dict[str, Any] = {
         **{k: cell[k] for k in CELL_KEYS},
         "cell_id": cell["id"],
-        "label": conf.get("label", cell["configuration"]),
-        "prefix_caching": conf.get("prefix_caching"),
-        "speculative_method": (conf.get("speculative") or {}).get("method"),
+        "prefix_caching": conf.prefix_caching if conf else None,
+        "speculative_method": (conf.speculative or {}).get("method") if conf else None,
         "n_requests": len(measured),
         "n_valid": len(valid),
         "n_errors": int(measured["error"].notna().sum()),
@@ -110,7 +94,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
             (measured["error"].isna() & ~(measured["prompt_tokens_ok"] & measured["output_tokens_ok"])).sum()
         ),
         "duration_s": meta.get("duration_s"),
-        "primary_metric": primary.column if primary.turn is None else f"{primary.column}@turn{primary.turn}",
+        "primary_metric": primary.metric,
         "primary_higher_is_better": primary.higher_is_better,
         "primary_n": len(primary_rows),
     }
@@ -142,16 +126,9 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         row["output_tps_total"] = float(valid["output_tokens_reported"].sum() / window) if window > 0 else None
     else:
         row["output_tps_total"] = None
-    # Fixed columns for every mode, so the table has one schema: None where not applicable.
-    turns = valid[valid["turn"] > 0] if mode == "multi_turn" else valid.iloc[0:0]
-    last_turn = int(turns["turn"].max()) if len(turns) else None
-    for name, turn in (("ttft_turn1_p50", 1), ("ttft_turn2_p50", 2), ("ttft_last_turn_p50", last_turn)):
-        values = turns.loc[turns["turn"] == turn, "ttft_s"] if turn is not None else turns["ttft_s"].iloc[0:0]
-        row[name] = float(values.median()) if len(values) else None
-    probe = frame[(frame["phase"] == "probe") & frame["valid"]]
-    first, second = probe[probe["turn"] == 1], probe[probe["turn"] == 2]
-    row["probe_first_ttft_s"] = float(first["ttft_s"].iloc[0]) if len(first) else None
-    row["probe_second_ttft_s"] = float(second["ttft_s"].iloc[0]) if len(second) else None
+    # Every mode's own columns in every row, so the table has one schema: None where not applicable.
+    row.update(dict.fromkeys(c for m in modes.registered() for c in m.summary_columns))
+    row.update(mode.extra_columns(valid, frame))
     server_metrics = meta["server_metrics"]
     row.update({f"server_{k}": v for k, v in server_metrics["derived"].items()})
     row["server_preemptions"] = server_metrics["delta"].get("num_preemptions")
@@ -167,7 +144,6 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     for gauge in metrics.GAUGES:
         for stat in ("max", "mean"):
             row[f"server_{gauge}_{stat}"] = gauges.get(f"{gauge}_{stat}")
-    server = meta["server"]
     row["engine_version"] = server.get("engine_version")
     row["kv_cache_tokens"] = server.get("kv_cache_tokens")
     row["block_size"] = server.get("block_size")
@@ -175,10 +151,10 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["spec_hash"] = meta["spec_hash"]
     row["started_at"] = meta["started_at"]
     row["cache_state"] = meta.get("cache_state")
-    row["expected_hit_rate"] = expected_hit_rate(
-        mode, bool(conf.get("prefix_caching")), meta["settings"], measured, row["block_size"]
+    row["expected_hit_rate"] = mode.expected_hit_rate(
+        bool(row["prefix_caching"]), meta["settings"], measured, row["block_size"]
     )
-    validity = experiment.raw["validity"]
+    validity = experiment.validity
     row["cache_contradiction"] = cache_contradicts(
         row["expected_hit_rate"], row["server_prefix_cache_hit_rate"], validity
     )
@@ -189,10 +165,10 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["client_loop_lag_max_s"] = client.get("loop_lag_max_s")
     row["client_cpu_fraction"] = client.get("cpu_fraction")
     row["client_cpus"] = ",".join(str(c) for c in client.get("cpus") or [])
-    row["sends_slipped"] = bool((row["send_delay_s_p99"] or 0) > validity["max_send_delay_s"])
+    row["sends_slipped"] = bool((row["send_delay_s_p99"] or 0) > validity.max_send_delay_s)
     row["client_bottleneck"] = bool(
-        (row["client_loop_lag_p99_s"] or 0) > validity["max_loop_lag_s"]
-        or (row["client_cpu_fraction"] or 0) >= validity["max_client_cpu"]
+        (row["client_loop_lag_p99_s"] or 0) > validity.max_loop_lag_s
+        or (row["client_cpu_fraction"] or 0) >= validity.max_client_cpu
     )
     reasons = []
     if row["n_requests"] == 0:
@@ -219,42 +195,14 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     return row
 
 
-def expected_hit_rate(
-    mode: str, prefix_caching: bool, settings: dict[str, Any], measured: pd.DataFrame, block_size: int | None
-) -> float:
-    """The prefix-cache hit rate the mode should produce over its measured requests.
-
-    Hits come in whole KV blocks. decode: 0 (cold prompts). single_turn: the
-    shared prefix, block-floored, over prefix + suffix. multi_turn: each turn
-    after the first finds the previous turn's prompt cached (the reply may
-    add a little more, which makes the measured rate at least this).
-    Without prefix caching: 0.
-    """
-    if not prefix_caching or mode == "decode" or measured.empty:
-        return 0.0
-    block = block_size or 1
-    if mode == "single_turn":
-        prefix = settings["context"]
-        return (prefix // block) * block / (prefix + settings["workload"]["suffix_tokens"])
-    hits = total = 0
-    for _, conversation in measured.sort_values("turn").groupby(["session", "seq"]):
-        previous = None
-        for prompt in conversation["prompt_tokens_reported"].astype(float):
-            total += prompt
-            if previous is not None:
-                hits += (previous // block) * block
-            previous = prompt
-    return float(hits / total) if total else 0.0
-
-
-def cache_contradicts(expected: float, measured: float | None, validity: dict[str, float]) -> bool:
+def cache_contradicts(expected: float, measured: float | None, validity: Validity) -> bool:
     """True when the measured hit rate says the cell did not measure what its mode means."""
-    floor = validity["max_unexpected_hit_rate"]
+    floor = validity.max_unexpected_hit_rate
     if measured is None or (isinstance(measured, float) and np.isnan(measured)):
         return expected > floor  # expected hits, but the server reports no prefix-cache traffic at all
     if expected <= floor:
         return measured > floor
-    return measured < validity["min_hit_rate_fraction"] * expected
+    return measured < validity.min_hit_rate_fraction * expected
 
 
 def peak_tokens_asked(measured: pd.DataFrame, concurrency: int) -> int | None:
@@ -288,13 +236,13 @@ def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experim
 
 def _grid_order(experiment: Experiment):  # type: ignore[no-untyped-def]
     configurations = list(experiment.configurations)
-    modes = list(experiment.modes())
+    mode_order = experiment.modes()
 
     def key(column: pd.Series) -> pd.Series:
         if column.name == "configuration":
             return column.map(lambda v: configurations.index(v) if v in configurations else len(configurations))
         if column.name == "mode":
-            return column.map(lambda v: modes.index(v) if v in modes else len(modes))
+            return column.map(lambda v: mode_order.index(v) if v in mode_order else len(mode_order))
         return column
 
     return key
@@ -343,13 +291,11 @@ def aggregate(
     verdict_out: str | None = None,
     crossovers_out: str | None = None,
 ) -> pd.DataFrame:
-    from servegrid import verdict  # verdict builds on this module's definitions
-
     df, metas = load_cells(cell_paths)
     derived = derive(df) if len(df) else df
     summary = summarize(derived, metas, experiment)
     comparisons = verdict.compare(summary, derived)
-    rules = verdict.VerdictRules.from_config(experiment.raw["verdict"])
+    rules = experiment.verdict
     roles = experiment.roles()
     outputs = [
         (derived, requests_out),

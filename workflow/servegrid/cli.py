@@ -24,17 +24,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from servegrid import paths, procs, server
-from servegrid.config import Cell, ConfigError, Experiment
+from servegrid.config import Cell, Experiment
+from servegrid.errors import ConfigError, guarded
 
 CELL_RE = re.compile(r"^(?P<configuration>[^/]+)/(?P<mode>[^/]+)/ctx(?P<context>\d+)_c(?P<concurrency>\d+)$")
 
 
 def _runtime(experiment: Experiment, name: str) -> server.Runtime:
-    if name not in experiment.configurations:
-        raise ConfigError(
-            f"{experiment.source}: no configuration named '{name}' (have: {', '.join(experiment.configurations)})"
-        )
-    return server.Runtime.from_config(experiment.operations, experiment.configurations[name])
+    return server.Runtime.from_config(experiment.operations, experiment.configuration(name))
 
 
 def _parse_cell(experiment: Experiment, text: str) -> Cell:
@@ -56,11 +53,11 @@ def cmd_validate(experiment: Experiment, args: argparse.Namespace) -> int:
 def cmd_model_build(experiment: Experiment, args: argparse.Namespace) -> int:
     from servegrid import model
 
-    tiny = experiment.raw["model"]["tiny"]
+    tiny = experiment.tiny_model_spec()
     if tiny is None:
         raise ConfigError(f"{experiment.source}: model.tiny is not set; the model at model.path is yours")
-    out = Path(args.out or experiment.raw["model"]["path"])
-    hashes = model.build(out, model.TinyModelSpec(**experiment.tiny_model_spec()))
+    out = Path(args.out or experiment.model.path)
+    hashes = model.build(out, model.TinyModelSpec(**tiny))
     print(json.dumps({"path": str(out), "files": hashes}, indent=2))
     return 0
 
@@ -69,8 +66,7 @@ def cmd_server_argv(experiment: Experiment, args: argparse.Namespace) -> int:
     runtime = _runtime(experiment, args.name)
     spec = experiment.launch_spec(args.name)
     port = args.port or runtime.port_range[0]
-    argv = server.server_argv(spec, runtime.host, port)
-    env = server.public_env(spec, server.server_env(spec, runtime.gpus))
+    argv, env = server.launch_command(spec, runtime, port)
     if args.json:
         print(json.dumps({"argv": argv, "env": env}, indent=2))
     else:
@@ -229,18 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def command() -> int:
         experiment = Experiment.from_file(args.config)
         logging.basicConfig(
-            level=args.log_level or experiment.operations["log_level"],
+            level=args.log_level or experiment.operations.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
         for noisy in ("httpx", "httpcore"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         return int(args.func(experiment, args))
-    except (ConfigError, server.ServerError, FileNotFoundError) as exc:
-        print(f"servegrid: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+
+    return guarded(command)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""The experiment: validated configuration, the grid of cells, launch specs.
+"""The experiment: validated configuration, typed sections, the grid of cells, launch specs.
+
+The YAML is validated against ``workflow/schemas/config.schema.yaml`` (each
+workload mode's settings come from its module, :mod:`servegrid.modes`), then
+turned into frozen dataclasses: no code reads the configuration by string key.
 
 Everything a cell's result depends on is derived here, and nothing else:
-:func:`Experiment.launch_spec` (what the server is) and
-:func:`Experiment.cell_settings` (what the cell measures). Snakemake compares
+:meth:`Experiment.launch_spec` (what the server is) and
+:meth:`Experiment.cell_settings` (what the cell measures). Snakemake compares
 both between runs to decide what reruns, so operational settings (ports,
-timeouts, GPU placement) deliberately appear in neither.
+timeouts, GPU placement) deliberately appear in neither. What figures and
+reports show of the configuration is :meth:`Experiment.presentation`, a
+declared input of those rules alone.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import copy
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +27,16 @@ import yaml
 from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 
-from servegrid import paths
+from servegrid import engines, modes, paths
+from servegrid.errors import ConfigError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 # Bump when the way a cell is measured changes: every cell reruns.
 MEASUREMENT_VERSION = 4  # 4: /metrics parsed after the measured phase, not during it
 
-MODES = ("decode", "single_turn", "multi_turn")
-
-# Flags servegrid sets itself; a configuration that also set them would be ambiguous.
-RESERVED_FLAGS = (
-    "--host",
-    "--port",
-    "--model",
-    "--served-model-name",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
-    "--speculative-config",
-)
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the offending key."""
+# Keys of a workload section that place it in the grid rather than shape what a cell measures.
+GRID_KEYS = ("enabled", "contexts", "concurrency")
 
 
 @dataclass(frozen=True, order=True)
@@ -64,6 +57,132 @@ class Cell:
         return paths.cell(self.configuration, self.mode, self.context, self.concurrency)
 
 
+# ---- typed sections ---------------------------------------------------------------------------
+
+
+def _section(cls: type, data: Mapping[str, Any], **extra: Any) -> Any:
+    """``cls`` from a validated mapping: lists become tuples, so sections stay immutable."""
+    names = {f.name for f in fields(cls)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names}
+    return cls(**values, **extra)
+
+
+@dataclass(frozen=True)
+class ExperimentInfo:
+    title: str
+    hardware: str = ""
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str
+    served_name: str
+    tiny: Mapping[str, Any] | None = None  # model.tiny as written; Experiment.tiny_model_spec() fills defaults
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    kind: str
+    command: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    api_key_env: str | None = None
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One server configuration to compare."""
+
+    name: str
+    label: str
+    prefix_caching: bool
+    speculative: Mapping[str, Any] | None = None
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    gpus: tuple[int, ...] = ()  # placement only
+    cpus: tuple[int, ...] = ()  # placement only
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One enabled workload mode: where it sits in the grid and what its cells measure."""
+
+    mode: str
+    contexts: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    settings: Mapping[str, Any]  # everything else: what shapes a cell's numbers (cell_settings' "workload")
+
+
+@dataclass(frozen=True)
+class Operations:
+    """How to run, never what to measure: editing these reruns nothing."""
+
+    host: str
+    port_range: tuple[int, int]
+    client_cpus: tuple[int, ...]
+    startup_timeout_s: float
+    request_timeout_s: float
+    shutdown_timeout_s: float
+    metrics_interval_s: float
+    log_level: str
+
+
+@dataclass(frozen=True)
+class Validity:
+    """When a cell's numbers cannot be trusted (docs/parquet-schema.md)."""
+
+    max_send_delay_s: float
+    max_loop_lag_s: float
+    max_client_cpu: float
+    min_hit_rate_fraction: float
+    max_unexpected_hit_rate: float
+
+
+@dataclass(frozen=True)
+class ClassRule:
+    """Which cell groups a workload class takes (all given conditions must hold)."""
+
+    id: str
+    mode: str | None = None
+    kv_limited: bool | None = None
+    min_context: int | None = None
+    max_context: int | None = None
+    min_concurrency: int | None = None
+    max_concurrency: int | None = None
+
+    def matches(self, group: Mapping[str, Any]) -> bool:
+        checks = (
+            self.mode is None or group["mode"] == self.mode,
+            self.kv_limited is None or bool(group["kv_limited"]) == self.kv_limited,
+            self.min_context is None or group["context"] >= self.min_context,
+            self.max_context is None or group["context"] <= self.max_context,
+            self.min_concurrency is None or group["concurrency"] >= self.min_concurrency,
+            self.max_concurrency is None or group["concurrency"] <= self.max_concurrency,
+        )
+        return all(checks)
+
+
+@dataclass(frozen=True)
+class VerdictRules:
+    """The verdict engine's thresholds and classes (docs/verdict.md)."""
+
+    classes: tuple[ClassRule, ...]
+    min_factor: float = 1.05
+    range_style_ratio: float = 3.0
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any]) -> VerdictRules:
+        return cls(
+            classes=tuple(ClassRule(**c) for c in section["classes"]),
+            min_factor=section["min_factor"],
+            range_style_ratio=section["range_style_ratio"],
+        )
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+
 def _validator_with_defaults() -> type:
     """jsonschema's documented recipe: fill in ``default`` while validating (as Snakemake's validate() does)."""
     base = Draft202012Validator
@@ -80,7 +199,23 @@ def _validator_with_defaults() -> type:
 
 
 def load_schema() -> dict[str, Any]:
-    return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    """The config schema with one ``workloads`` entry per registered mode (its module's settings)."""
+    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    common = schema["$defs"]["mode_common"]
+    workloads = schema["properties"]["workloads"]
+    for mode in modes.registered():
+        properties = {"enabled": {"type": "boolean", "default": True}}
+        for key, subschema in common.items():
+            properties[key] = {**subschema, **({"default": mode.defaults[key]} if key in mode.defaults else {})}
+        properties.update(copy.deepcopy(dict(mode.schema)))
+        workloads["properties"][mode.name] = {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["contexts", "concurrency"],
+            "properties": properties,
+        }
+    schema["properties"]["verdict"]["properties"]["classes"]["items"]["properties"]["mode"]["enum"] = modes.names()
+    return schema
 
 
 def _key_path(error: ValidationError) -> str:
@@ -96,18 +231,40 @@ def validate(raw: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
     validator = _validator_with_defaults()(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
-        # The deepest error is the most specific one for oneOf/anyOf failures.
         lines = [f"{source}: {_key_path(e)}: {e.message}" for e in errors[:10]]
         raise ConfigError("invalid configuration\n  " + "\n  ".join(lines))
     return config
 
 
 class Experiment:
-    """A validated configuration with the derived grid."""
+    """A validated configuration: typed sections and the derived grid."""
 
     def __init__(self, raw: Mapping[str, Any], source: str = "config") -> None:
         self.source = source
+        # The validated dict with defaults filled in: hashed for provenance, never read by key.
         self.raw = validate(raw, source)
+        r = self.raw
+        self.info: ExperimentInfo = _section(ExperimentInfo, r["experiment"])
+        self.model: ModelSection = _section(ModelSection, r["model"])
+        self.engine: EngineSection = _section(EngineSection, r["engine"])
+        self.configurations: dict[str, Configuration] = {
+            name: _section(Configuration, conf, name=name) for name, conf in r["configurations"].items()
+        }
+        self.temperature: float = r["sampling"]["temperature"]
+        self.workloads: dict[str, Workload] = {
+            mode: Workload(
+                mode=mode,
+                contexts=tuple(section["contexts"]),
+                concurrency=tuple(section["concurrency"]),
+                settings={k: v for k, v in section.items() if k not in GRID_KEYS},
+            )
+            for mode in modes.names()
+            if (section := r["workloads"].get(mode)) is not None and section["enabled"]
+        }
+        self.operations: Operations = _section(Operations, r["operations"])
+        self.validity: Validity = _section(Validity, r["validity"])
+        self.verdict = VerdictRules.from_config(r["verdict"])
+        self.languages: list[str] = list(r["report"]["languages"])
         self._check_semantics()
 
     @classmethod
@@ -123,35 +280,25 @@ class Experiment:
             raise ConfigError(f"{path}: expected a mapping at the top level")
         return cls(raw, source=str(path))
 
-    # ---- accessors -------------------------------------------------------
-    @property
-    def configurations(self) -> dict[str, dict[str, Any]]:
-        return self.raw["configurations"]
-
-    @property
-    def operations(self) -> dict[str, Any]:
-        return self.raw["operations"]
-
-    @property
-    def languages(self) -> list[str]:
-        return self.raw["report"]["languages"]
-
+    # ---- the grid ------------------------------------------------------------------------------
     def modes(self) -> list[str]:
-        """Enabled workload modes, in canonical order."""
-        workloads = self.raw["workloads"]
-        return [m for m in MODES if m in workloads and workloads[m]["enabled"]]
+        """Enabled workload modes, in the registry's order."""
+        return list(self.workloads)
 
-    def mode_settings(self, mode: str) -> dict[str, Any]:
-        return self.raw["workloads"][mode]
+    def workload(self, mode: str) -> Workload:
+        if mode not in self.workloads:
+            modes.get(mode)  # an unknown mode says so; a known one is merely not enabled
+            raise ConfigError(f"{self.source}: workloads.{mode}: not enabled in this configuration")
+        return self.workloads[mode]
 
     def cells(self, configuration: str | None = None) -> list[Cell]:
         names = [configuration] if configuration else list(self.configurations)
         return [
-            Cell(name, mode, context, concurrency)
+            Cell(name, w.mode, context, concurrency)
             for name in names
-            for mode in self.modes()
-            for context in self.mode_settings(mode)["contexts"]
-            for concurrency in self.mode_settings(mode)["concurrency"]
+            for w in self.workloads.values()
+            for context in w.contexts
+            for concurrency in w.concurrency
         ]
 
     def cell(self, configuration: str, mode: str, context: int, concurrency: int) -> Cell:
@@ -160,110 +307,139 @@ class Experiment:
             raise ConfigError(f"{self.source}: cell {wanted.id} is not in the grid")
         return wanted
 
+    def configuration(self, name: str) -> Configuration:
+        if name not in self.configurations:
+            raise ConfigError(
+                f"{self.source}: no configuration named '{name}' (have: {', '.join(self.configurations)})"
+            )
+        return self.configurations[name]
+
+    def configuration_index(self, name: str) -> int:
+        return list(self.configurations).index(name)
+
     def tiny_model_spec(self) -> dict[str, Any] | None:
         """model.tiny with every default spelled out, or None."""
         from servegrid.model import TinyModelSpec
 
-        tiny = self.raw["model"]["tiny"]
+        tiny = self.model.tiny
         return None if tiny is None else asdict(TinyModelSpec(**tiny))
 
-    # ---- identities that decide reruns -------------------------------------
+    # ---- identities that decide reruns -----------------------------------------------------------
     def configuration_flags(self, name: str) -> list[str]:
-        conf = self.configurations[name]
-        flags = ["--enable-prefix-caching" if conf["prefix_caching"] else "--no-enable-prefix-caching"]
-        if conf["speculative"]:
-            flags += ["--speculative-config", canonical_json(conf["speculative"])]
-        return flags + list(conf["args"])
+        conf = self.configuration(name)
+        return engines.get(self.engine.kind).feature_flags(conf.prefix_caching, conf.speculative) + list(conf.args)
 
     def launch_spec(self, name: str) -> dict[str, Any]:
         """What the server of configuration ``name`` is; placement and ports excluded."""
-        engine, model = self.raw["engine"], self.raw["model"]
-        conf = self.configurations[name]
+        conf = self.configuration(name)
         return {
             "configuration": name,
-            "command": list(engine["command"]),
-            "model": model["path"],
-            "served_name": model["served_name"],
+            "engine": self.engine.kind,
+            "command": list(self.engine.command),
+            "model": self.model.path,
+            "served_name": self.model.served_name,
             "tiny_model": self.tiny_model_spec(),
-            "args": list(engine["args"]) + self.configuration_flags(name),
-            "env": {**engine["env"], **conf["env"]},
-            "api_key_env": engine["api_key_env"],
-            "prefix_caching": conf["prefix_caching"],
-            "speculative": conf["speculative"],
+            "args": list(self.engine.args) + self.configuration_flags(name),
+            "env": {**(self.engine.env or {}), **(conf.env or {})},
+            "api_key_env": self.engine.api_key_env,
+            "prefix_caching": conf.prefix_caching,
+            "speculative": dict(conf.speculative) if conf.speculative else None,
         }
 
     def cell_settings(self, cell: Cell) -> dict[str, Any]:
         """Everything that cell's numbers depend on besides the server itself."""
-        workload = {
-            k: v for k, v in self.mode_settings(cell.mode).items() if k not in ("contexts", "concurrency", "enabled")
-        }
         return {
             "measurement_version": MEASUREMENT_VERSION,
             "cell": cell.id,
             "mode": cell.mode,
             "context": cell.context,
             "concurrency": cell.concurrency,
-            "workload": workload,
-            "sampling": self.raw["sampling"],
+            "workload": dict(self.workload(cell.mode).settings),
+            "sampling": {"temperature": self.temperature},
         }
+
+    def figure_presentation(self) -> dict[str, Any]:
+        """What the figures show of the configuration besides the measured data (labels, colours by
+        configuration order, roles): a declared input (params) of the figure rule."""
+        return {
+            "configurations": {
+                name: {"label": c.label, "role": self.role(name)} for name, c in self.configurations.items()
+            },
+            "modes": self.modes(),
+        }
+
+    def presentation(self) -> dict[str, Any]:
+        """What the report shows of the configuration besides the measured data: a declared input
+        (params) of the report rule, so that editing a label or the title reruns exactly the reports."""
+        return {
+            "title": self.info.title,
+            "hardware": self.info.hardware,
+            "model": self.model.path,
+            "tiny_model": self.model.tiny is not None,
+            "engine": self.engine.kind,
+            "engine_args": list(self.engine.args),
+            "configurations": {
+                name: {"label": c.label, "flags": self.configuration_flags(name), "role": self.role(name)}
+                for name, c in self.configurations.items()
+            },
+            "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
+            "min_factor": self.verdict.min_factor,
+            "client_cpus": list(self.operations.client_cpus),
+        }
+
+    def workload_view(self, mode: str) -> dict[str, Any]:
+        w = self.workload(mode)
+        return {**w.settings, "contexts": list(w.contexts), "concurrency": list(w.concurrency)}
 
     def role(self, name: str) -> str:
         """caching (prefix caching, no speculation), speculative (the reverse), both, or baseline."""
-        conf = self.configurations[name]
-        speculates = conf["speculative"] is not None
-        if conf["prefix_caching"]:
+        conf = self.configuration(name)
+        speculates = conf.speculative is not None
+        if conf.prefix_caching:
             return "both" if speculates else "caching"
         return "speculative" if speculates else "baseline"
 
     def roles(self) -> dict[str, str]:
         return {name: self.role(name) for name in self.configurations}
 
-    def configuration_index(self, name: str) -> int:
-        return list(self.configurations).index(name)
-
-    # ---- checks the schema cannot express -----------------------------------
+    # ---- checks the schema cannot express ---------------------------------------------------------
     def _check_semantics(self) -> None:
         src = self.source
-        engine = self.raw["engine"]
-        if not any("{model}" in part for part in engine["command"]):
-            raise ConfigError(f"{src}: engine.command: needs a '{{model}}' placeholder where the model goes")
-        for where, args in [("engine.args", engine["args"])] + [
-            (f"configurations.{n}.args", c["args"]) for n, c in self.configurations.items()
-        ]:
-            for arg in args:
-                flag = arg.split("=", 1)[0]
-                if flag in RESERVED_FLAGS:
-                    raise ConfigError(
-                        f"{src}: {where}: '{flag}' is set by servegrid "
-                        "(use prefix_caching, speculative, model.served_name or operations instead)"
-                    )
-        for name, conf in self.configurations.items():
-            if "CUDA_VISIBLE_DEVICES" in conf["env"] or "CUDA_VISIBLE_DEVICES" in engine["env"]:
-                raise ConfigError(f"{src}: configurations.{name}.env: set GPUs with 'gpus', not CUDA_VISIBLE_DEVICES")
-        if self.raw["model"]["tiny"] is not None:
-            joined = " ".join(engine["args"])
-            if "--load-format dummy" not in joined and "--load-format=dummy" not in joined:
-                raise ConfigError(
-                    f"{src}: engine.args: model.tiny builds a folder without weights, "
-                    "so the engine needs '--load-format dummy'"
-                )
-        if not self.modes():
-            raise ConfigError(f"{src}: workloads: no workload mode is enabled")
-        from servegrid.catalogues import available_languages
-
-        missing = [lang for lang in self.languages if lang not in available_languages()]
-        if missing:
-            raise ConfigError(
-                f"{src}: report.languages: no catalogue for {', '.join(missing)} "
-                "(add report/locales/<language>/LC_MESSAGES/messages.po)"
+        try:
+            if not any("{model}" in part for part in self.engine.command):
+                raise ConfigError("engine.command: needs a '{model}' placeholder where the model goes")
+            engines.get(self.engine.kind).check_config(
+                self.engine.args,
+                {f"configurations.{n}.args": c.args for n, c in self.configurations.items()},
+                {"engine.env": self.engine.env or {}}
+                | {f"configurations.{n}.env": c.env or {} for n, c in self.configurations.items()},
+                tiny_model=self.model.tiny is not None,
             )
-        low, high = self.operations["port_range"]
-        if low > high:
-            raise ConfigError(f"{src}: operations.port_range: {low} > {high}")
+            if not self.workloads:
+                raise ConfigError("workloads: no workload mode is enabled")
+            from servegrid.catalogues import available_languages
+
+            missing = [lang for lang in self.languages if lang not in available_languages()]
+            if missing:
+                raise ConfigError(
+                    f"report.languages: no catalogue for {', '.join(missing)} "
+                    "(add report/locales/<language>/LC_MESSAGES/messages.po)"
+                )
+            low, high = self.operations.port_range
+            if low > high:
+                raise ConfigError(f"operations.port_range: {low} > {high}")
+        except ConfigError as exc:
+            raise ConfigError(f"{src}: {exc}") from None
 
 
 def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_jsonable)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
 def spec_hash(spec: Mapping[str, Any]) -> str:

@@ -3,14 +3,14 @@
 One colour per configuration throughout (seaborn's colour-blind palette, in
 config order); medians with their 95% bootstrap intervals as bands; numbers on
 the axes in the language's own format. Each figure is written as PNG (for the
-HTML report) and SVG (vector, for the PDF). Which figures exist depends only
-on the enabled modes, so Snakemake knows every output before anything runs.
+HTML report) and SVG (vector, for the PDF). Which figures exist is decided in
+:mod:`servegrid.figure_list` (each mode declares its own); a figure's ``kind``
+names the :class:`Painter` method that draws it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -23,48 +23,19 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
-from servegrid import atomic, stats
+from servegrid import atomic, modes, stats
 from servegrid.catalogues import format_number, load_catalog
 from servegrid.config import Experiment
+from servegrid.errors import ReportError
+from servegrid.figure_list import FORMATS, figure_specs
+from servegrid.modes.base import FigureSpec
 
-FORMATS = ("png", "svg")
 Gettext = Callable[[str], str]
 
-
-def N_(message: str) -> str:
-    return message
-
-
-@dataclass(frozen=True)
-class FigureSpec:
-    name: str
-    mode: str
-
-
-FIGURES = (
-    FigureSpec("decode_tps", "decode"),
-    FigureSpec("single_turn_ttft", "single_turn"),
-    FigureSpec("single_turn_second_request", "single_turn"),
-    FigureSpec("multi_turn_ttft", "multi_turn"),
-    FigureSpec("multi_turn_wall", "multi_turn"),
-    FigureSpec("multi_turn_caching_zoom", "multi_turn"),
-    FigureSpec("ratio_heatmap", "*"),
-)
-
-CONTEXT_TITLE = {
-    "decode": N_("prompt of %(tokens)s tokens"),
-    "single_turn": N_("shared prefix of %(tokens)s tokens"),
-    "multi_turn": N_("base context of %(tokens)s tokens"),
-}
-MODE_TITLE = {"decode": N_("Decode"), "single_turn": N_("Single-turn"), "multi_turn": N_("Multi-turn")}
-
-
-def figure_specs(experiment: Experiment) -> list[FigureSpec]:
-    return [f for f in FIGURES if f.mode == "*" or f.mode in experiment.modes()]
-
-
-def figure_paths(experiment: Experiment, out_dir: str) -> list[str]:
-    return [f"{out_dir}/{f.name}.{ext}" for f in figure_specs(experiment) for ext in FORMATS]
+# The kinds of figure a mode may declare (FigureSpec.kind): Painter methods taking (mode, **options);
+# and those of the whole run (servegrid.figure_list.RUN_FIGURES), taking nothing.
+MODE_KINDS = ("primary_by_concurrency", "probe_bars", "one_configuration_by_context")
+RUN_KINDS = ("ratio_heatmap",)
 
 
 class Painter:
@@ -78,9 +49,17 @@ class Painter:
         self.comparisons = comparisons
         self._ = gettext
         self.locale = locale
-        labels = [c["label"] for c in experiment.configurations.values()]
-        self.colours = dict(zip(labels, sns.color_palette("colorblind", len(labels)), strict=True))
+        self.labels = {name: c.label for name, c in experiment.configurations.items()}
+        self.colours = dict(zip(self.labels, sns.color_palette("colorblind", len(self.labels)), strict=True))
         self.roles = experiment.roles()
+
+    def draw(self, mode: str | None, spec: FigureSpec) -> plt.Figure:
+        """The figure ``spec`` of ``mode`` (None: a figure of the whole run)."""
+        kinds = RUN_KINDS if mode is None else MODE_KINDS
+        if spec.kind not in kinds:
+            raise ReportError(f"figure '{spec.name}': unknown kind '{spec.kind}' (known: {', '.join(kinds)})")
+        draw = getattr(self, spec.kind)
+        return draw() if mode is None else draw(mode, **spec.options)
 
     # ---- helpers -------------------------------------------------------------------
     def number(self, value: float, digits: int | None = None) -> str:
@@ -99,7 +78,7 @@ class Painter:
         ax.set_xlabel(self._("concurrent sessions"))
 
     def _context_title(self, mode: str, context: int) -> str:
-        return self._(CONTEXT_TITLE[mode]) % {"tokens": self.number(context, 0)}
+        return self._(modes.get(mode).context_title) % {"tokens": self.number(context, 0)}
 
     def _line(self, ax: plt.Axes, rows: pd.DataFrame, label: str, colour: object, marker: str = "o") -> None:
         rows = rows.sort_values("concurrency")
@@ -125,16 +104,19 @@ class Painter:
         fig, axes = plt.subplots(1, n, figsize=(max(6.0, 3.9 * n + 1.2), height), squeeze=False)
         return fig, list(axes[0])
 
-    def _by_configuration(self, mode: str, ylabel: str) -> plt.Figure:
+    # ---- the kinds of figure a mode declares ---------------------------------------------------
+    def primary_by_concurrency(self, mode: str) -> plt.Figure:
+        """The mode's primary figure vs concurrent sessions, one panel per context, one line per configuration."""
+        ylabel = self._(modes.get(mode).primary.axis_label)
         data = self.summary[self.summary["mode"] == mode]
         contexts = sorted(data["context"].unique()) or [0]
         fig, axes = self._panels(len(contexts))
         for ax, context in zip(axes, contexts, strict=True):
             panel = data[data["context"] == context]
-            for name, conf in self.experiment.configurations.items():
+            for name, label in self.labels.items():
                 rows = panel[panel["configuration"] == name]
                 if len(rows):
-                    self._line(ax, rows, conf["label"], self.colours[conf["label"]])
+                    self._line(ax, rows, label, self.colours[name])
             self._concurrency_axis(ax, sorted(int(c) for c in panel["concurrency"].unique()))
             ax.set_ylabel(ylabel)
             ax.set_ylim(bottom=0)
@@ -144,30 +126,20 @@ class Painter:
         fig.tight_layout(rect=(0, 0.1, 1, 1))
         return fig
 
-    # ---- the figures ---------------------------------------------------------------------
-    def decode_tps(self) -> plt.Figure:
-        return self._by_configuration("decode", self._("decode tokens/s per session (p50)"))
-
-    def single_turn_ttft(self) -> plt.Figure:
-        return self._by_configuration("single_turn", self._("TTFT p50 (s)"))
-
-    def multi_turn_ttft(self) -> plt.Figure:
-        return self._by_configuration("multi_turn", self._("turn-2 TTFT p50 (s)"))
-
-    def single_turn_second_request(self) -> plt.Figure:
+    def probe_bars(self, mode: str) -> plt.Figure:
         """First vs second request on a fresh prefix, per prefix length: cache hit vs re-prefill."""
-        data = self.summary[(self.summary["mode"] == "single_turn") & self.summary["probe_first_ttft_s"].notna()]
+        data = self.summary[(self.summary["mode"] == mode) & self.summary["probe_first_ttft_s"].notna()]
         data = data.sort_values("concurrency").groupby(["configuration", "context"], sort=False).head(1)
         contexts = sorted(data["context"].unique())
         names = [n for n in self.experiment.configurations if n in set(data["configuration"])]
         fig, (ax,) = self._panels(1)
         width = 0.8 / max(1, 2 * len(names))
         for i, name in enumerate(names):
-            label = self.experiment.configurations[name]["label"]
+            label = self.labels[name]
             rows = data[data["configuration"] == name].set_index("context").reindex(contexts)
             base = np.arange(len(contexts)) + (2 * i - len(names) + 0.5) * width
-            ax.bar(base, rows["probe_first_ttft_s"], width, color=self.colours[label], label=label)
-            ax.bar(base + width, rows["probe_second_ttft_s"], width, color=self.colours[label], alpha=0.45, hatch="//")
+            ax.bar(base, rows["probe_first_ttft_s"], width, color=self.colours[name], label=label)
+            ax.bar(base + width, rows["probe_second_ttft_s"], width, color=self.colours[name], alpha=0.45, hatch="//")
             for x, value in zip(base + width, rows["probe_second_ttft_s"], strict=True):
                 if not stats.missing(value):
                     ax.annotate(self.number(value), (x, value), ha="center", va="bottom", fontsize=8)
@@ -180,8 +152,10 @@ class Painter:
         fig.tight_layout(rect=(0, 0.1, 1, 1))
         return fig
 
-    def _one_configuration(self, role: str, zoom: bool) -> plt.Figure:
-        data = self.summary[self.summary["mode"] == "multi_turn"]
+    def one_configuration_by_context(self, mode: str, role: str, zoom: bool) -> plt.Figure:
+        """The first configuration of ``role`` alone, one line per context; ``zoom`` to the non-KV-limited
+        points, so that a flat curve shows as flat; KV-limited points circled."""
+        data = self.summary[self.summary["mode"] == mode]
         names = [n for n, r in self.roles.items() if r == role] or list(self.experiment.configurations)[:1]
         rows_all = data[data["configuration"].isin(names)]
         contexts = sorted(rows_all["context"].unique())
@@ -189,7 +163,7 @@ class Painter:
         fig, (ax,) = self._panels(1, height=3.9)
         for shade, context in zip(shades, contexts, strict=True):
             rows = rows_all[rows_all["context"] == context]
-            self._line(ax, rows, self._context_title("multi_turn", int(context)), shade)
+            self._line(ax, rows, self._context_title(mode, int(context)), shade)
             limited = rows[rows["kv_limited"].astype(bool)]
             for _, point in limited.iterrows():
                 where = (point["concurrency"], point["primary_p50"])
@@ -197,10 +171,9 @@ class Painter:
                 ax.annotate(
                     self._("KV limit"), where, textcoords="offset points", xytext=(6, 6), color="#b3261e", fontsize=9
                 )
-        label = self.experiment.configurations[names[0]]["label"] if names else ""
-        ax.set_title(label)
+        ax.set_title(self.labels[names[0]] if names else "")
         self._concurrency_axis(ax, sorted(int(c) for c in rows_all["concurrency"].unique()))
-        ax.set_ylabel(self._("turn-2 TTFT p50 (s)"))
+        ax.set_ylabel(self._(modes.get(mode).primary.axis_label))
         ax.set_ylim(bottom=0)
         if zoom and len(rows_all):
             unlimited = rows_all[~rows_all["kv_limited"].astype(bool)]["primary_ci_high"].fillna(
@@ -213,14 +186,7 @@ class Painter:
         fig.tight_layout()
         return fig
 
-    def multi_turn_wall(self) -> plt.Figure:
-        """The speculative configuration alone: re-prefilling the whole history every turn."""
-        return self._one_configuration("speculative", zoom=False)
-
-    def multi_turn_caching_zoom(self) -> plt.Figure:
-        """The caching configuration alone, zoomed to show how flat it stays; KV-limited points marked."""
-        return self._one_configuration("caching", zoom=True)
-
+    # ---- figures of the whole run ------------------------------------------------------------
     def ratio_heatmap(self) -> plt.Figure:
         """Per mode: how many times the winner beat the runner-up, over context × concurrency."""
         comparisons = self.comparisons
@@ -240,7 +206,7 @@ class Painter:
             limit = max(1.0, float(np.nanmax(np.abs(grid.to_numpy()))) if grid.size else 1.0)
             sns.heatmap(grid, ax=ax, cmap="RdBu_r", center=0, vmin=-limit, vmax=limit, annot=annotations, fmt="",
                         cbar=False, linewidths=0.5, linecolor="white")  # fmt: skip
-            ax.set_title(self._(MODE_TITLE[mode]))
+            ax.set_title(self._(modes.get(mode).title))
             ax.set_xlabel(self._("concurrent sessions"))
             ax.set_ylabel(self._("context (tokens)"))
             ax.set_yticklabels([self.number(int(c), 0) for c in grid.index], rotation=0)
@@ -258,8 +224,8 @@ def draw_all(experiment: Experiment, summary_path: str, comparisons_path: str, o
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for spec in figure_specs(experiment):
-        fig = getattr(painter, spec.name)()
+    for mode, spec in figure_specs(experiment):
+        fig = painter.draw(mode, spec)
         for ext in FORMATS:
             target = out_dir / f"{spec.name}.{ext}"
             with atomic.atomic_path(target) as tmp:

@@ -1,4 +1,5 @@
-"""A short description of the machine the servers run on, for the report's setup section."""
+"""The machine the servers run on: its description for the report, and the checks that its CPUs and
+GPUs are the ones a configuration names (made before any server starts)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from functools import cache
 from typing import Any
 
 import psutil
+
+from servegrid.errors import ServerError
 
 
 @cache
@@ -67,3 +70,25 @@ def describe(gpu_indices: list[int]) -> dict[str, Any]:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpus": gpus(gpu_indices),
     }
+
+
+def check_cpus(cpus: list[int], key: str) -> None:
+    """Fail, naming ``key``, when ``cpus`` asks for cores this process may not use."""
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise ServerError(f"{key}: CPU(s) {missing} are not available here (this process may use {sorted(allowed)})")
+
+
+def check_gpus(gpus: list[int], key: str) -> None:
+    """Fail, naming ``key``, when ``gpus`` asks for GPUs nvidia-smi does not list.
+
+    A 27B model takes minutes to load before the engine finds its GPU missing; this takes a second.
+    Hosts without nvidia-smi are not checked.
+    """
+    if not gpus:
+        return
+    present = gpu_indices()
+    missing = sorted(set(gpus) - set(present)) if present is not None else []
+    if missing:
+        raise ServerError(f"{key}: GPU(s) {missing} are not on this host (nvidia-smi lists {present})")

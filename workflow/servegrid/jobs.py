@@ -2,8 +2,9 @@
 
 Each function takes the ``snakemake`` object a script job receives, sends
 logging to the rule's ``log:`` file, and calls the same package functions the
-CLI calls. An expected failure (bad server, unreachable endpoint) ends the job
-with its message alone, not a traceback.
+CLI calls. An expected failure (any :class:`~servegrid.errors.ServegridError`)
+ends the job with its message alone, caught by :func:`servegrid.errors.guarded`
+as in the CLI, so the terminal and the job's log show the same text.
 """
 
 from __future__ import annotations
@@ -17,32 +18,33 @@ from pathlib import Path
 from typing import Any
 
 from servegrid import atomic, server
-from servegrid.cell import CellError
-from servegrid.config import ConfigError, Experiment
-
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ConfigError, server.ServerError, CellError)
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError, guarded
 
 
-def _setup_logging(smk: Any, experiment: Experiment | None = None) -> None:
-    level = experiment.operations["log_level"] if experiment else "INFO"
+def _setup_logging(smk: Any) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if smk.log:
         Path(smk.log[0]).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(smk.log[0], mode="w"))
-    logging.basicConfig(level=level, handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # One line per HTTP request would drown the job's own messages.
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    logging.basicConfig(level="INFO", handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _run(smk: Any, body: Callable[[Experiment], None]) -> None:
-    experiment = Experiment(smk.config)
-    _setup_logging(smk, experiment)
-    try:
+    # Logging first, so that even an invalid config is reported in the job's log.
+    _setup_logging(smk)
+
+    def job() -> None:
+        experiment = Experiment(smk.config)
+        logging.getLogger().setLevel(experiment.operations.log_level)
+        # One line per HTTP request would drown the job's own messages.
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
         body(experiment)
-    except EXPECTED_ERRORS as exc:
-        logging.getLogger("servegrid").error("%s", exc)
-        sys.exit(1)
+
+    code = guarded(job, logging.getLogger("servegrid"))
+    if code:
+        sys.exit(code)
 
 
 def write_spec(smk: Any) -> None:
@@ -70,7 +72,7 @@ def run_cell(smk: Any) -> None:
 def stop_server(smk: Any) -> None:
     def body(experiment: Experiment) -> None:
         name = smk.wildcards.configuration
-        runtime = server.Runtime.from_config(experiment.operations, experiment.configurations[name])
+        runtime = server.Runtime.from_config(experiment.operations, experiment.configuration(name))
         stopped = server.stop(name, runtime, reason="last cell of the configuration done")
         stopped_at = datetime.now(UTC).isoformat(timespec="milliseconds")
         atomic.write_json(smk.output[0], {"configuration": name, "stopped_at": stopped_at, "stopped": stopped})

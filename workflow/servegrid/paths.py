@@ -7,9 +7,7 @@ decided once.
 from __future__ import annotations
 
 RESULTS = "results"
-MODEL_DIR_DEFAULT = f"{RESULTS}/model/tiny-qwen3"
 STATE_DIR = f"{RESULTS}/.servegrid"  # runtime state of live servers: not a DAG artefact
-LOGS = f"{RESULTS}/logs"
 
 CELL_PATTERN = RESULTS + "/cells/{configuration}/{mode}/ctx{context}_c{concurrency}.parquet"
 SERVER_SPEC_PATTERN = RESULTS + "/servers/{configuration}/spec.json"
@@ -32,10 +30,6 @@ REPORT_PDF_PATTERN = REPORT_DIR + "/servegrid-{lang}.pdf"
 
 def cell(configuration: str, mode: str, context: int, concurrency: int) -> str:
     return CELL_PATTERN.format(configuration=configuration, mode=mode, context=context, concurrency=concurrency)
-
-
-def server_spec(configuration: str) -> str:
-    return SERVER_SPEC_PATTERN.format(configuration=configuration)
 
 
 def server_stop(configuration: str) -> str:

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from servegrid import atomic
-from servegrid.client import RequestRecord
+from servegrid.errors import CellFileError
+from servegrid.request_record import RequestRecord
 
 METADATA_KEY = b"servegrid.cell"
 
@@ -76,11 +77,6 @@ def rows(records: list[RequestRecord]) -> dict[str, list[Any]]:
     return columns
 
 
-def to_frame(records: list[RequestRecord]):  # type: ignore[no-untyped-def]
-    """Records as the cell file would hold them, as a pandas DataFrame."""
-    return pa.table(rows(records), schema=CELL_SCHEMA).to_pandas()
-
-
 def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, Any]) -> None:
     """Write the cell atomically: the file appears complete or not at all."""
     schema = CELL_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True, default=str).encode()})
@@ -90,8 +86,14 @@ def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, A
 
 
 def read_cell(path: Path | str) -> tuple[pa.Table, dict[str, Any]]:
-    table = pq.read_table(path)
+    """A cell file's table and metadata; :class:`CellFileError` naming the file if it cannot be read."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise CellFileError(
+            f"{path}: cannot read the cell file ({exc}); delete it and rerun to measure it again"
+        ) from exc
     raw = (table.schema.metadata or {}).get(METADATA_KEY)
     if raw is None:
-        raise ValueError(f"{path}: not a servegrid cell file (no {METADATA_KEY.decode()} metadata)")
+        raise CellFileError(f"{path}: not a servegrid cell file (no {METADATA_KEY.decode()} metadata)")
     return table, json.loads(raw)

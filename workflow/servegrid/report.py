@@ -26,10 +26,12 @@ import pandas as pd
 from babel import Locale
 from babel.dates import format_date, format_datetime
 
-from servegrid import atomic, stats
+from servegrid import atomic, engines, modes, stats
 from servegrid.catalogues import REPORT_ROOT, format_number, load_catalog
 from servegrid.config import Experiment, canonical_json
-from servegrid.figures import FORMATS, figure_specs
+from servegrid.errors import ReportError
+from servegrid.figure_list import FORMATS, RUN_FIGURES, figure_specs
+from servegrid.modes.base import FigureSpec, Mode
 
 TEMPLATES = REPORT_ROOT / "templates"
 
@@ -84,8 +86,12 @@ class ReportData:
         servers: pd.DataFrame,
         verdict: pd.DataFrame | None = None,
         crossovers: pd.DataFrame | None = None,
+        formatter: Formatter | None = None,
+        gettext: Any = None,
     ) -> None:
         self.experiment = experiment
+        self.formatter = formatter or Formatter(Locale.parse("en"))
+        self.gettext = gettext or (lambda message: message)
         self.summary = summary
         self.comparisons = comparisons
         self.servers = servers
@@ -102,16 +108,66 @@ class ReportData:
         ]
 
     def verdict_classes(self) -> list[dict[str, Any]]:
-        """The verdict table: classes that have data."""
-        return [row for row in self.records(self.verdict) if row["outcome"] != "no_data"]
+        """The verdict table: classes that have data, each with its winner's label."""
+        return [
+            row | {"winner_label": self.label(row["winner"])}
+            for row in self.records(self.verdict)
+            if row["outcome"] != "no_data"
+        ]
 
     def crossover_rows(self) -> list[dict[str, Any]]:
         return self.records(self.crossovers)
 
     def label(self, configuration: str | None) -> str:
+        """A configuration's label from the config (a declared input of the report rule), not from the tables."""
         if configuration is None or configuration not in self.experiment.configurations:
             return configuration or ""
-        return self.experiment.configurations[configuration]["label"]
+        return self.experiment.configurations[configuration].label
+
+    # ---- modes --------------------------------------------------------------------------------
+    @staticmethod
+    def mode(name: str) -> Mode:
+        return modes.get(name)
+
+    def class_mode(self, class_id: str) -> Mode | None:
+        """The mode a verdict class is named after, if it is."""
+        return modes.get(class_id) if class_id in modes.names() else None
+
+    def class_title(self, class_id: str) -> str:
+        mode = self.class_mode(class_id)
+        return self.gettext(mode.class_title) if mode else class_id
+
+    def verdict_word(self, class_modes: str) -> str:
+        """What a class's factors measure ("decode", "TTFT"): its modes' word, when they share one."""
+        words = {modes.get(m).primary.verdict_word for m in class_modes.split(",") if m}
+        return self.gettext(words.pop()) if len(words) == 1 else ""
+
+    def mode_sections(self) -> list[dict[str, Any]]:
+        """One report section per enabled mode: the mode, its description's values (formatted) and its rows."""
+        sections = []
+        for name in self.experiment.modes():
+            mode, workload = modes.get(name), self.experiment.workload(name)
+            params = {key: self.format_value(value) for key, value in mode.describe(workload.settings | {
+                "contexts": workload.contexts, "concurrency": workload.concurrency}).items()}  # fmt: skip
+            sections.append(
+                {"mode": mode, "params": params, "rows": self.mode_rows(name), "concurrency": workload.concurrency}
+            )
+        return sections
+
+    def format_value(self, value: Any) -> str:
+        """A setting as the description shows it: numbers in the locale's format, lists joined."""
+        if isinstance(value, list | tuple):
+            return ", ".join(self.format_value(v) for v in value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return str(value)
+        return self.formatter.integer(value) if float(value).is_integer() else self.formatter.num(value, 2)
+
+    @staticmethod
+    def run_figures() -> tuple[FigureSpec, ...]:
+        return RUN_FIGURES
+
+    def engine_name(self) -> str:
+        return engines.get(self.experiment.engine.kind).display_name
 
     def role_label(self, role: str) -> str:
         names = [n for n, r in self.experiment.roles().items() if r == role]
@@ -134,11 +190,11 @@ class ReportData:
             out.append(
                 {
                     "name": name,
-                    "label": conf["label"],
-                    "prefix_caching": conf["prefix_caching"],
-                    "speculative": canonical_json(conf["speculative"]) if conf["speculative"] else None,
+                    "label": conf.label,
+                    "prefix_caching": conf.prefix_caching,
+                    "speculative": canonical_json(conf.speculative) if conf.speculative else None,
                     "flags": " ".join(self.experiment.configuration_flags(name)),
-                    "gpus": conf["gpus"],
+                    "gpus": list(conf.gpus),
                     "server": latest,
                     "sessions": len(sessions),
                 }
@@ -157,14 +213,18 @@ class ReportData:
                 match = comps[
                     (comps["mode"] == mode) & (comps["context"] == context) & (comps["concurrency"] == concurrency)
                 ]
-                comp = match.iloc[0].to_dict() if len(match) else None
+                comp = (
+                    match.iloc[0].to_dict() | {"winner_label": self.label(match.iloc[0]["winner"])}
+                    if len(match)
+                    else None
+                )
             rows.append(
                 {"context": int(context), "concurrency": int(concurrency), "cells": by_conf, "comparison": comp}
             )
         return rows
 
     def verdict_rows(self) -> list[dict[str, Any]]:
-        return self.records(self.comparisons)
+        return [row | {"winner_label": self.label(row["winner"])} for row in self.records(self.comparisons)]
 
     def invalid_cells(self) -> list[dict[str, Any]]:
         if self.summary.empty:
@@ -177,8 +237,8 @@ class ReportData:
         return sorted({str(v) for v in self.servers["engine_version"].dropna()})
 
     def hardware(self) -> str:
-        if self.experiment.raw["experiment"]["hardware"]:
-            return self.experiment.raw["experiment"]["hardware"]
+        if self.experiment.info.hardware:
+            return self.experiment.info.hardware
         if self.servers.empty:
             return ""
         row = self.servers.iloc[0]
@@ -191,7 +251,7 @@ class ReportData:
         servers = sorted({",".join(map(str, c)) for c in self.servers["cpus"]}) if "cpus" in self.servers else []
         clients = sorted(set(self.summary["client_cpus"])) if "client_cpus" in self.summary else []
         confined_servers = [s for s in servers if s]
-        if not confined_servers and not self.experiment.operations["client_cpus"]:
+        if not confined_servers and not self.experiment.operations.client_cpus:
             return None
         return {"server": " / ".join(servers), "client": " / ".join(clients)}
 
@@ -222,12 +282,21 @@ def provenance(experiment: Experiment) -> dict[str, Any]:
     }
 
 
+def read_table(path: str) -> pd.DataFrame:
+    """One of the run's Parquet tables; a missing or damaged one is a :class:`ReportError` naming it."""
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{path}: cannot read the table ({exc}); run the aggregate step first") from exc
+
+
 def _figure_uri(path: Path, ext: str) -> str:
     mime = {"png": "image/png", "svg": "image/svg+xml"}[ext]
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
 
 
-def environment(lang: str) -> tuple[jinja2.Environment, Formatter]:
+def environment(lang: str) -> tuple[jinja2.Environment, Formatter, Any]:
+    """The template environment of ``lang``, its number formatter and its translations."""
     translations, locale = load_catalog(lang)
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -249,18 +318,19 @@ def environment(lang: str) -> tuple[jinja2.Environment, Formatter]:
         date=fmt.date,
         datetime=fmt.datetime,
     )
-    return env, fmt
+    return env, fmt, translations
 
 
 def render_html(
     experiment: Experiment, lang: str, data: ReportData, figures_dir: Path, medium: str, prov: dict[str, Any]
 ) -> str:
-    env, fmt = environment(lang)
+    env, fmt, translations = environment(lang)
+    data.formatter, data.gettext = fmt, translations.gettext
     ext = "png" if medium == "screen" else "svg"
     assert ext in FORMATS
     figures = {
         spec.name: _figure_uri(figures_dir / f"{spec.name}.{ext}", ext)
-        for spec in figure_specs(experiment)
+        for _, spec in figure_specs(experiment)
         if (figures_dir / f"{spec.name}.{ext}").exists()
     }
     font_dir = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
@@ -270,8 +340,7 @@ def render_html(
         medium=medium,
         font_dir=font_dir.as_uri() if medium == "print" else None,
         css=(TEMPLATES / "style.css").read_text(encoding="utf-8"),
-        experiment=experiment.raw,
-        modes=experiment.modes(),
+        experiment=experiment,
         data=data,
         figures=figures,
         prov=prov,
@@ -290,15 +359,18 @@ def render(
     verdict_path: str | None = None,
     crossovers_path: str | None = None,
 ) -> None:
-    from weasyprint import HTML  # imported late: it is slow to import and only this step needs it
+    try:
+        from weasyprint import HTML  # imported late: it is slow to import and only this step needs it
+    except (ImportError, OSError) as exc:  # OSError: WeasyPrint found no Pango
+        raise ReportError(f"the PDF report needs WeasyPrint and its system libraries (Pango): {exc}") from exc
 
     data = ReportData(
         experiment,
-        pd.read_parquet(summary_path),
-        pd.read_parquet(comparisons_path),
-        pd.read_parquet(servers_path),
-        verdict=pd.read_parquet(verdict_path) if verdict_path else None,
-        crossovers=pd.read_parquet(crossovers_path) if crossovers_path else None,
+        read_table(summary_path),
+        read_table(comparisons_path),
+        read_table(servers_path),
+        verdict=read_table(verdict_path) if verdict_path else None,
+        crossovers=read_table(crossovers_path) if crossovers_path else None,
     )
     prov = provenance(experiment)
     atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))

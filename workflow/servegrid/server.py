@@ -1,5 +1,8 @@
 """Bring inference servers up, reuse them across cells, and take them down.
 
+(About 400 lines: bring-up, reuse and teardown are one protocol under one lock,
+and each step stops or replaces servers the others start.)
+
 A cell job calls :func:`ensure` with its configuration's launch spec. If a
 healthy server with the same spec is already up it is reused; otherwise any
 server that would compete for the same devices is stopped and a new one is
@@ -7,42 +10,38 @@ launched under a :mod:`servegrid.supervisor`, health-checked, warmed up and
 described (:class:`ServerFacts`). :func:`stop` and :func:`stop_all` take
 servers down with their whole process tree.
 
-Runtime state lives in ``results/.servegrid/``: one record per configuration
-written by its supervisor, plus the facts written here. It is never a
-Snakemake input, so a server's presence or absence never makes a cell stale.
+What is particular to one kind of server (its argv, environment, health
+endpoint, warm-up request, start-up log and self-description) comes from the
+spec's engine (:mod:`servegrid.engines`). Records, facts, leases and the lock
+that serialises these decisions live in :mod:`servegrid.state`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from servegrid import atomic, hostinfo, metrics, paths, procs
+from servegrid import atomic, engines, hostinfo, paths, procs, state
 from servegrid.config import spec_hash
+from servegrid.engines import Engine
+from servegrid.errors import ServerError
+from servegrid.state import lease
 
-KV_TOKENS_RE = re.compile(r"(?:GPU|CPU|XPU|TPU)? ?KV cache size: ([\d,]+) tokens")
-MAX_CONCURRENCY_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 OWNER_ENV = "SERVEGRID_OWNER_PID"
 LOG_TAIL_LINES = 40
-
-
-class ServerError(RuntimeError):
-    """A server could not be brought up or used; the message says why and where its log is."""
 
 
 @dataclass
@@ -77,11 +76,12 @@ class ServerFacts:
     """What the report states about a server session."""
 
     configuration: str
+    engine: str  # the engine's kind (engine.kind in the config)
     session: str
     spec_hash: str
     url: str
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str]  # secrets masked
     gpus: list[int]
     log_path: str
     engine_version: str | None
@@ -107,40 +107,30 @@ def owner_from_env() -> procs.ProcessRef | None:
         return None
 
 
-# ---- argv and environment ----------------------------------------------------
+# ---- argv, environment, authentication ---------------------------------------
 
 
-def server_argv(spec: dict[str, Any], host: str, port: int) -> list[str]:
-    command = [part.replace("{model}", spec["model"]) for part in spec["command"]]
-    return [
-        *command,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--served-model-name",
-        spec["served_name"],
-        *spec["args"],
-    ]
-
-
-def server_env(spec: dict[str, Any], gpus: list[int]) -> dict[str, str]:
-    """Environment overrides for the server (on top of the inherited environment)."""
-    env = dict(spec["env"])
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+def _api_key(spec: dict[str, Any]) -> str | None:
     key_var = spec.get("api_key_env")
-    if key_var:
-        key = os.environ.get(key_var)
-        if not key:
-            raise ServerError(f"engine.api_key_env names {key_var}, but that variable is not set")
-        env["VLLM_API_KEY"] = key
-    return env
+    if not key_var:
+        return None
+    key = os.environ.get(key_var)
+    if not key:
+        raise ServerError(f"engine.api_key_env names {key_var}, but that variable is not set")
+    return key
 
 
-def public_env(spec: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
-    """``env`` with secrets masked, for logs and reports."""
-    return {k: ("***" if k == "VLLM_API_KEY" else v) for k, v in env.items()}
+def _argv_and_env(spec: dict[str, Any], runtime: Runtime, port: int) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and its environment overrides, API key included."""
+    engine = engines.get(spec["engine"])
+    argv = engine.argv(spec["command"], spec["model"], spec["served_name"], runtime.host, port, spec["args"])
+    return argv, engine.server_env(spec["env"], runtime.gpus, _api_key(spec))
+
+
+def launch_command(spec: dict[str, Any], runtime: Runtime, port: int) -> tuple[list[str], dict[str, str]]:
+    """The argv and the environment overrides (secrets masked) that ``spec``'s server gets on ``port``."""
+    argv, env = _argv_and_env(spec, runtime, port)
+    return argv, engines.get(spec["engine"]).public_env(env)
 
 
 def auth_headers(spec: dict[str, Any]) -> dict[str, str]:
@@ -149,64 +139,7 @@ def auth_headers(spec: dict[str, Any]) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-# ---- state --------------------------------------------------------------------
-
-
-def _state(runtime: Runtime) -> Path:
-    path = Path(runtime.state_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _record_path(runtime: Runtime, configuration: str) -> Path:
-    return _state(runtime) / f"{configuration}.json"
-
-
-def _facts_path(runtime: Runtime, configuration: str) -> Path:
-    return _state(runtime) / f"{configuration}.facts.json"
-
-
-def _failure_path(runtime: Runtime, configuration: str) -> Path:
-    return _state(runtime) / f"{configuration}.failed.json"
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError:
-        return None
-
-
-@contextlib.contextmanager
-def _locked(runtime: Runtime) -> Iterator[None]:
-    """One process at a time decides which servers run."""
-    with open(_state(runtime) / "lock", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _records(runtime: Runtime) -> dict[str, dict[str, Any]]:
-    out = {}
-    for path in sorted(_state(runtime).glob("*.json")):
-        if path.name.endswith((".facts.json", ".failed.json", ".launch.json")):
-            continue
-        record = _read(path)
-        if record:
-            out[record["configuration"]] = record
-    return out
-
-
-def _live(record: dict[str, Any]) -> bool:
-    server = procs.ProcessRef.from_dict(record.get("server"))
-    return bool(server and server.alive())
-
-
-def _conflicts(a_gpus: list[int], b_gpus: list[int]) -> bool:
+def _conflicts(a_gpus: Sequence[int], b_gpus: Sequence[int]) -> bool:
     # CPU servers (no GPUs) share the host's cores with everything else.
     return not a_gpus or not b_gpus or bool(set(a_gpus) & set(b_gpus))
 
@@ -221,30 +154,31 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
     while a cell holds its :func:`lease`: then this waits for the cell to end.
     """
     configuration = spec["configuration"]
+    engine = engines.get(spec["engine"])
     wanted = spec_hash(spec)
     while True:
-        with _locked(runtime):
-            record = _read(_record_path(runtime, configuration))
-            facts = _read(_facts_path(runtime, configuration))
-            if record and _live(record):
-                if record["spec_hash"] == wanted and facts and _healthy(record["url"], spec):
+        with state.locked(runtime):
+            record = state.read(state.record_path(runtime, configuration))
+            facts = state.read(state.facts_path(runtime, configuration))
+            if record and state.live(record):
+                if record["spec_hash"] == wanted and facts and _healthy(engine, record["url"], spec):
                     return ServerFacts(**facts)
                 _stop_record(record, runtime, reason="replaced by a server with another spec")
             _raise_if_failed_before(runtime, configuration, wanted, owner)
             rivals = [
                 r
-                for other, r in _records(runtime).items()
-                if other != configuration and _live(r) and _conflicts(runtime.gpus, r["gpus"])
+                for other, r in state.records(runtime).items()
+                if other != configuration and state.live(r) and _conflicts(runtime.gpus, r["gpus"])
             ]
             with contextlib.ExitStack() as held:
-                if all(held.enter_context(_try_lease(runtime, r["configuration"])) for r in rivals):
+                if all(held.enter_context(state.try_lease(runtime, r["configuration"])) for r in rivals):
                     for rival in rivals:
                         _stop_record(rival, runtime, reason=f"devices needed by {configuration}")
                     try:
-                        return _start(spec, wanted, runtime, owner)
+                        return _start(spec, engine, wanted, runtime, owner)
                     except ServerError as exc:
                         atomic.write_json(
-                            _failure_path(runtime, configuration),
+                            state.failure_path(runtime, configuration),
                             {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc)},
                         )
                         raise
@@ -252,41 +186,15 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
         time.sleep(1.0)
 
 
-@contextlib.contextmanager
-def lease(configuration: str, runtime: Runtime) -> Iterator[None]:
-    """Held by a cell while it uses its configuration's server: one cell per server at a time,
-    and no other configuration may stop the server under it."""
-    with open(_state(runtime) / f"{configuration}.lease", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
-    with open(_state(runtime) / f"{configuration}.lease", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _raise_if_failed_before(runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None) -> None:
     """Within one pipeline run, a spec that failed to start fails its other cells at once."""
-    failure = _read(_failure_path(runtime, configuration))
+    failure = state.read(state.failure_path(runtime, configuration))
     if failure and owner and failure["spec_hash"] == wanted and failure["owner"] == owner.to_dict():
         raise ServerError(f"(failed earlier in this run, not retried)\n{failure['message']}")
 
 
 def _pick_port(runtime: Runtime) -> int:
-    taken = {r["port"] for r in _records(runtime).values() if _live(r)}
+    taken = {r["port"] for r in state.records(runtime).values() if state.live(r)}
     low, high = runtime.port_range
     for port in range(low, high + 1):
         if port in taken:
@@ -302,41 +210,21 @@ def _pick_port(runtime: Runtime) -> int:
     raise ServerError(f"no free port on {runtime.host} in operations.port_range {low}-{high}")
 
 
-def check_cpus(cpus: list[int], key: str) -> None:
-    """Fail, naming ``key``, when ``cpus`` asks for cores this process may not use."""
-    allowed = os.sched_getaffinity(0)
-    missing = sorted(set(cpus) - allowed)
-    if missing:
-        raise ServerError(f"{key}: CPU(s) {missing} are not available here (this process may use {sorted(allowed)})")
-
-
-def check_gpus(gpus: list[int], key: str) -> None:
-    """Fail, naming ``key``, when ``gpus`` asks for GPUs nvidia-smi does not list.
-
-    A 27B model takes minutes to load before vLLM finds its GPU missing; this takes a second.
-    Hosts without nvidia-smi are not checked.
-    """
-    if not gpus:
-        return
-    present = hostinfo.gpu_indices()
-    missing = sorted(set(gpus) - set(present)) if present is not None else []
-    if missing:
-        raise ServerError(f"{key}: GPU(s) {missing} are not on this host (nvidia-smi lists {present})")
-
-
-def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.ProcessRef | None) -> ServerFacts:
+def _start(
+    spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, owner: procs.ProcessRef | None
+) -> ServerFacts:
     configuration = spec["configuration"]
-    check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
-    check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
+    hostinfo.check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
+    hostinfo.check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
     port = _pick_port(runtime)
     session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     log_dir = Path(paths.server_log_dir(configuration))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{session}.log"
-    argv = server_argv(spec, runtime.host, port)
-    env = server_env(spec, runtime.gpus)
+    argv, env = _argv_and_env(spec, runtime, port)
     url_host = f"[{runtime.host}]" if ":" in runtime.host else runtime.host
     url = f"http://{url_host}:{port}"
+    record_path = state.record_path(runtime, configuration)
     launch = {
         "session": session,
         "configuration": configuration,
@@ -349,18 +237,18 @@ def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.Pro
         "gpus": runtime.gpus,
         "cpus": runtime.cpus,
         "log_path": str(log_path),
-        "record_path": str(_record_path(runtime, configuration)),
+        "record_path": str(record_path),
         "owner": owner.to_dict() if owner else None,
         "shutdown_timeout_s": runtime.shutdown_timeout_s,
     }
-    launch_path = _state(runtime) / f"{configuration}.launch.json"
+    launch_path = state.launch_path(runtime, configuration)
     # The launch file carries the environment, API key included: owner-only.
     with atomic.atomic_path(launch_path) as tmp:
         tmp.write_text(json.dumps(launch), encoding="utf-8")
         os.chmod(tmp, 0o600)
-    _record_path(runtime, configuration).unlink(missing_ok=True)
-    _facts_path(runtime, configuration).unlink(missing_ok=True)
-    _failure_path(runtime, configuration).unlink(missing_ok=True)
+    record_path.unlink(missing_ok=True)
+    state.facts_path(runtime, configuration).unlink(missing_ok=True)
+    state.failure_path(runtime, configuration).unlink(missing_ok=True)
 
     started = time.monotonic()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -373,42 +261,42 @@ def _start(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.Pro
             start_new_session=True,
             close_fds=True,
         )
-    record_path = _record_path(runtime, configuration)
     try:
-        _wait_healthy(url, spec, record_path, log_path, runtime.startup_timeout_s, configuration)
+        _wait_healthy(engine, url, spec, record_path, log_path, runtime.startup_timeout_s)
         startup_s = time.monotonic() - started
-        warm_started = time.monotonic()
-        version, max_model_len, block_size = _warm_up(url, spec)
-        warmup_s = time.monotonic() - warm_started
+        with httpx.Client(timeout=600.0, headers=auth_headers(spec)) as client:
+            warm_started = time.monotonic()
+            engine.warm_up(client, url, spec["served_name"])
+            warmup_s = time.monotonic() - warm_started
+            described = engine.describe(client, url, spec["served_name"])
     except BaseException:
-        record = _read(record_path)
+        record = state.read(record_path)
         if record:
             _stop_record(record, runtime, reason="start-up failed")
         raise
-    log_text = log_path.read_text(encoding="utf-8", errors="replace")
-    kv = KV_TOKENS_RE.search(log_text)
-    conc = MAX_CONCURRENCY_RE.search(log_text)
+    capacity = engine.startup_facts(log_path.read_text(encoding="utf-8", errors="replace"))
     facts = ServerFacts(
         configuration=configuration,
+        engine=engine.kind,
         session=session,
         spec_hash=wanted,
         url=url,
         argv=argv,
-        env=public_env(spec, env),
+        env=engine.public_env(env),
         gpus=runtime.gpus,
         log_path=str(log_path),
-        engine_version=version,
-        kv_cache_tokens=int(kv.group(1).replace(",", "")) if kv else None,
-        max_concurrency=float(conc.group(2)) if conc else None,
-        max_model_len=max_model_len,
+        engine_version=described.version,
+        kv_cache_tokens=capacity.kv_cache_tokens,
+        max_concurrency=capacity.max_concurrency,
+        max_model_len=described.max_model_len,
         startup_s=round(startup_s, 3),
         warmup_s=round(warmup_s, 3),
         started_at=started_at,
         host=hostinfo.describe(runtime.gpus),
-        block_size=block_size,
+        block_size=described.block_size,
         cpus=runtime.cpus,
     )
-    atomic.write_json(_facts_path(runtime, configuration), asdict(facts))
+    atomic.write_json(state.facts_path(runtime, configuration), asdict(facts))
     return facts
 
 
@@ -421,13 +309,14 @@ def log_tail(log_path: Path | str, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _wait_healthy(
-    url: str, spec: dict[str, Any], record_path: Path, log_path: Path, timeout_s: float, configuration: str
+    engine: Engine, url: str, spec: dict[str, Any], record_path: Path, log_path: Path, timeout_s: float
 ) -> None:
+    configuration = spec["configuration"]
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
     with httpx.Client(timeout=2.0, headers=auth_headers(spec)) as client:
         while True:
-            record = _read(record_path)
+            record = state.read(record_path)
             if record and record["status"] in ("exited", "stopped"):
                 raise ServerError(
                     f"the server for configuration '{configuration}' exited during start-up "
@@ -441,7 +330,7 @@ def _wait_healthy(
                 )
             if record and record["status"] == "running":
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{url}/health").status_code == 200:
+                    if client.get(f"{url}{engine.health_path}").status_code == 200:
                         return
             if time.monotonic() > deadline:
                 raise ServerError(
@@ -452,33 +341,11 @@ def _wait_healthy(
             time.sleep(0.5)
 
 
-def _healthy(url: str, spec: dict[str, Any]) -> bool:
+def _healthy(engine: Engine, url: str, spec: dict[str, Any]) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=5.0, headers=auth_headers(spec)).status_code == 200
+        return httpx.get(f"{url}{engine.health_path}", timeout=5.0, headers=auth_headers(spec)).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _warm_up(url: str, spec: dict[str, Any]) -> tuple[str | None, int | None, int | None]:
-    """One unmeasured request (the first after start is slow), then what the engine says of itself."""
-    headers = auth_headers(spec)
-    with httpx.Client(timeout=600.0, headers=headers) as client:
-        response = client.post(
-            f"{url}/v1/completions",
-            json={"model": spec["served_name"], "prompt": "warm up", "max_tokens": 8, "temperature": 0},
-        )
-        if response.status_code != 200:
-            raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
-        version = None
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            version = client.get(f"{url}/version").json()["version"]
-        max_model_len = None
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
-            max_model_len = client.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
-        block_size = None
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            block_size = int(metrics.cache_config(client.get(f"{url}/metrics").text)["block_size"])
-    return version, max_model_len, block_size
 
 
 # ---- teardown -----------------------------------------------------------------
@@ -499,7 +366,7 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
         procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, extra=extra)
     leftovers = procs.group_members(pgid) if pgid else []
     outcome["left_running"] = [p.pid for p in leftovers]
-    final = _read(_record_path(runtime, record["configuration"])) or record
+    final = state.read(state.record_path(runtime, record["configuration"])) or record
     outcome["returncode"] = final.get("returncode")
     outcome["log_path"] = record.get("log_path")
     if leftovers:
@@ -509,27 +376,27 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
 
 def stop(configuration: str, runtime: Runtime, reason: str = "last cell done") -> list[dict[str, Any]]:
     """Stop the server of ``configuration`` if one is up, once no cell uses it; returns what was done."""
-    with lease(configuration, runtime), _locked(runtime):
-        record = _read(_record_path(runtime, configuration))
+    with lease(configuration, runtime), state.locked(runtime):
+        record = state.read(state.record_path(runtime, configuration))
         if not record:
             return []
         outcome = _stop_record(record, runtime, reason)
-        _facts_path(runtime, configuration).unlink(missing_ok=True)
+        state.facts_path(runtime, configuration).unlink(missing_ok=True)
         return [outcome]
 
 
 def stop_all(runtime: Runtime, owner: procs.ProcessRef | None = None, reason: str = "pipeline ended") -> list[dict]:
     """Stop every server (or only those started on behalf of ``owner``)."""
     stopped = []
-    with _locked(runtime):
-        for configuration, record in _records(runtime).items():
+    with state.locked(runtime):
+        for configuration, record in state.records(runtime).items():
             if owner is not None and record.get("owner") != owner.to_dict():
                 continue
             stopped.append(_stop_record(record, runtime, reason))
-            _facts_path(runtime, configuration).unlink(missing_ok=True)
+            state.facts_path(runtime, configuration).unlink(missing_ok=True)
     return stopped
 
 
 def status(runtime: Runtime) -> list[dict[str, Any]]:
     """Every server record with whether it is alive now."""
-    return [{**record, "alive": _live(record)} for record in _records(runtime).values()]
+    return [{**record, "alive": state.live(record)} for record in state.records(runtime).values()]

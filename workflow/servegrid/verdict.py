@@ -11,20 +11,21 @@ figure then measures the pool, not the configuration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from servegrid import stats
-from servegrid.aggregate import PRIMARY
+from servegrid import modes, stats
+from servegrid.config import ClassRule, VerdictRules
+
+__all__ = ["ClassRule", "VerdictRules", "classify", "compare", "crossovers", "decisive", "primary_values"]
 
 GROUP_KEYS = ["mode", "context", "concurrency"]
 
 
 def primary_values(requests: pd.DataFrame, configuration: str, mode: str, context: int, concurrency: int) -> np.ndarray:
-    primary = PRIMARY[mode]
+    primary = modes.get(mode).primary
     rows = requests[
         (requests["configuration"] == configuration)
         & (requests["mode"] == mode)
@@ -47,7 +48,7 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
         candidates = group[group["valid"] & group["primary_p50"].notna()]
         if len(candidates) < 2:
             continue
-        higher = bool(PRIMARY[mode].higher_is_better)
+        higher = bool(modes.get(mode).primary.higher_is_better)
         ranked = candidates.sort_values("primary_p50", ascending=not higher)
         best, runner_up = ranked.iloc[0], ranked.iloc[1]
         best_values = primary_values(requests, best["configuration"], mode, context, concurrency)
@@ -65,10 +66,8 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
                 "concurrency": int(concurrency),
                 "metric": best["primary_metric"],
                 "winner": best["configuration"],
-                "winner_label": best["label"],
                 "winner_p50": float(best["primary_p50"]),
                 "runner_up": runner_up["configuration"],
-                "runner_up_label": runner_up["label"],
                 "runner_up_p50": float(runner_up["primary_p50"]),
                 "factor": float(factor),
                 "factor_ci_low": low,
@@ -81,47 +80,6 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---- the verdict engine: workload classes, each with a winner and a range --------------------
-
-
-@dataclass(frozen=True)
-class ClassRule:
-    """Which cell groups a workload class takes (all given conditions must hold)."""
-
-    id: str
-    mode: str | None = None
-    kv_limited: bool | None = None
-    min_context: int | None = None
-    max_context: int | None = None
-    min_concurrency: int | None = None
-    max_concurrency: int | None = None
-
-    def matches(self, group: dict[str, Any]) -> bool:
-        checks = (
-            self.mode is None or group["mode"] == self.mode,
-            self.kv_limited is None or bool(group["kv_limited"]) == self.kv_limited,
-            self.min_context is None or group["context"] >= self.min_context,
-            self.max_context is None or group["context"] <= self.max_context,
-            self.min_concurrency is None or group["concurrency"] >= self.min_concurrency,
-            self.max_concurrency is None or group["concurrency"] <= self.max_concurrency,
-        )
-        return all(checks)
-
-
-@dataclass(frozen=True)
-class VerdictRules:
-    """The engine's thresholds and classes: data from the config's ``verdict`` section."""
-
-    classes: tuple[ClassRule, ...]
-    min_factor: float = 1.05
-    range_style_ratio: float = 3.0
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any]) -> VerdictRules:
-        return cls(
-            classes=tuple(ClassRule(**c) for c in section["classes"]),
-            min_factor=section["min_factor"],
-            range_style_ratio=section["range_style_ratio"],
-        )
 
 
 def decisive(group: dict[str, Any], rules: VerdictRules) -> bool:
@@ -154,7 +112,6 @@ def classify(comparisons: pd.DataFrame, rules: VerdictRules, roles: dict[str, st
             "n_decisive": 0,
             "outcome": "no_data",
             "winner": None,
-            "winner_label": None,
             "winner_role": None,
             "wins": 0,
             "factor_min": None,
@@ -182,7 +139,6 @@ def classify(comparisons: pd.DataFrame, rules: VerdictRules, roles: dict[str, st
             row.update(
                 outcome="win" if counts[winner] == len(wins) else "mixed",
                 winner=winner,
-                winner_label=won[0]["winner_label"],
                 winner_role=roles.get(winner, "other"),
                 wins=counts[winner],
                 factor_min=float(lowest["factor"]),

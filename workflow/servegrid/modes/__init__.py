@@ -15,4 +15,4 @@ from servegrid.modes.registry import get, names, register, registered, unregiste
 __all__ = ["FigureSpec", "Mode", "Primary", "WorkloadContext", "get", "names", "register", "registered", "unregister"]
 
 # The built-in modes, registered in the order the report shows them.
-from servegrid.modes import decode, single_turn, multi_turn  # noqa: E402, F401, I001
+from servegrid.modes import decode, single_turn, multi_turn  # noqa: F401, I001

@@ -178,7 +178,9 @@ async def run_sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitabl
     await asyncio.gather(*(body(s, start_ns) for s in range(ctx.concurrency)))
 
 
-async def send_one_by_one(ctx: WorkloadContext, phase: str, prompts: Sequence[list[int]], turn_of_index: bool = False) -> None:
+async def send_one_by_one(
+    ctx: WorkloadContext, phase: str, prompts: Sequence[list[int]], turn_of_index: bool = False
+) -> None:
     """Send ``prompts`` one after another from session 0, unmeasured (warm-up, probe)."""
     for i, prompt in enumerate(prompts):
         record = ctx.new_record(0, i, phase, len(prompt), turn=i + 1 if turn_of_index else 1)

@@ -6,8 +6,17 @@ Nothing is shared between requests, so no prefix-cache hit is expected.
 
 from __future__ import annotations
 
+from servegrid.modes.base import (
+    N_,
+    FigureSpec,
+    MeasureHook,
+    Mode,
+    Primary,
+    WorkloadContext,
+    closed_loop,
+    send_one_by_one,
+)
 from servegrid.modes.registry import register
-from servegrid.modes.base import FigureSpec, MeasureHook, Mode, N_, Primary, WorkloadContext, closed_loop, send_one_by_one
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:

@@ -14,7 +14,15 @@ from typing import Any
 
 import pandas as pd
 
-from servegrid.modes.base import FigureSpec, MeasureHook, Mode, N_, Primary, WorkloadContext, run_sessions, send_one_by_one
+from servegrid.modes.base import (
+    N_,
+    FigureSpec,
+    MeasureHook,
+    Mode,
+    Primary,
+    WorkloadContext,
+    run_sessions,
+)
 from servegrid.modes.registry import register
 
 
@@ -53,9 +61,7 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
         return exact_chat_message(ctx, [], ctx.context, label)[0]
 
     def follow_ups(label: str) -> list[str]:
-        return [
-            ctx.detokenize(ctx.builder.unique(follow_up_tokens, f"{label} turn {t}")) for t in range(2, turns + 1)
-        ]
+        return [ctx.detokenize(ctx.builder.unique(follow_up_tokens, f"{label} turn {t}")) for t in range(2, turns + 1)]
 
     conversations = [
         [(first_message(f"s{s} c{c}"), follow_ups(f"s{s} c{c}")) for c in range(w["requests_per_session"])]

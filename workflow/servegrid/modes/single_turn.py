@@ -13,7 +13,16 @@ from typing import Any
 
 import pandas as pd
 
-from servegrid.modes.base import FigureSpec, MeasureHook, Mode, N_, Primary, WorkloadContext, closed_loop, send_one_by_one
+from servegrid.modes.base import (
+    N_,
+    FigureSpec,
+    MeasureHook,
+    Mode,
+    Primary,
+    WorkloadContext,
+    closed_loop,
+    send_one_by_one,
+)
 from servegrid.modes.registry import register
 
 

@@ -1,0 +1,42 @@
+"""Which figures a run draws, and under which file names: each enabled mode's own figures
+(:attr:`servegrid.modes.Mode.figures`) and the figures of the whole run.
+
+No plotting library is imported here: the Snakefile reads this to know every
+figure file before anything runs, so the DAG is built without matplotlib.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from servegrid import modes
+from servegrid.modes.base import N_, FigureSpec
+
+if TYPE_CHECKING:
+    from servegrid.config import Experiment
+
+FORMATS = ("png", "svg")  # PNG for the HTML report, SVG (vector) for the PDF
+
+# Figures of the whole run, after the modes' own.
+RUN_FIGURES = (
+    FigureSpec(
+        "ratio_heatmap",
+        "ratio_heatmap",
+        N_("Who wins where"),
+        N_(
+            "How many times the winner beat the runner-up in each cell group, per mode; red where the caching "
+            "configuration wins, blue where the other one does."
+        ),
+    ),
+)
+
+
+def figure_specs(experiment: Experiment) -> list[tuple[str | None, FigureSpec]]:
+    """(mode name or None for a run figure, spec) for every figure of this experiment, in drawing order."""
+    return [(name, spec) for name in experiment.modes() for spec in modes.get(name).figures] + [
+        (None, spec) for spec in RUN_FIGURES
+    ]
+
+
+def figure_paths(experiment: Experiment, out_dir: str) -> list[str]:
+    return [f"{out_dir}/{spec.name}.{ext}" for _, spec in figure_specs(experiment) for ext in FORMATS]

@@ -1,0 +1,119 @@
+"""The runtime state store of the servers, under ``Runtime.state_dir`` (``results/.servegrid/``).
+
+Per configuration it holds:
+
+- ``<configuration>.json``: the server's record, written by its supervisor
+  (pids, process group, port, status, exit code);
+- ``<configuration>.facts.json``: the :class:`~servegrid.server.ServerFacts`
+  of the server that is up, written once it is healthy and warmed up;
+- ``<configuration>.failed.json``: why its last start failed, and for whom;
+- ``<configuration>.launch.json``: what its supervisor launches (owner-only:
+  it carries the environment, API key included);
+- ``<configuration>.lease``: the lock a cell holds while it uses the server;
+
+plus one ``lock`` that serialises every decision about which servers run.
+None of it is ever a Snakemake input, so a server's presence or absence never
+makes a cell stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from servegrid import procs
+
+if TYPE_CHECKING:
+    from servegrid.server import Runtime
+
+_NOT_RECORDS = (".facts.json", ".failed.json", ".launch.json")
+
+
+def directory(runtime: Runtime) -> Path:
+    path = Path(runtime.state_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_path(runtime: Runtime, configuration: str) -> Path:
+    return directory(runtime) / f"{configuration}.json"
+
+
+def facts_path(runtime: Runtime, configuration: str) -> Path:
+    return directory(runtime) / f"{configuration}.facts.json"
+
+
+def failure_path(runtime: Runtime, configuration: str) -> Path:
+    return directory(runtime) / f"{configuration}.failed.json"
+
+
+def launch_path(runtime: Runtime, configuration: str) -> Path:
+    return directory(runtime) / f"{configuration}.launch.json"
+
+
+def read(path: Path) -> dict[str, Any] | None:
+    """A state file's content; None when it is missing or half-written by a process that died."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+@contextlib.contextmanager
+def locked(runtime: Runtime) -> Iterator[None]:
+    """One process at a time decides which servers run."""
+    with open(directory(runtime) / "lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def lease(configuration: str, runtime: Runtime) -> Iterator[None]:
+    """Held by a cell while it uses its configuration's server: one cell per server at a time,
+    and no other configuration may stop the server under it."""
+    with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
+    """The lease of ``configuration`` if no cell holds it now (True), else False at once."""
+    with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def records(runtime: Runtime) -> dict[str, dict[str, Any]]:
+    """Every server record, by configuration."""
+    out = {}
+    for path in sorted(directory(runtime).glob("*.json")):
+        if path.name.endswith(_NOT_RECORDS):
+            continue
+        record = read(path)
+        if record:
+            out[record["configuration"]] = record
+    return out
+
+
+def live(record: dict[str, Any]) -> bool:
+    """Whether the server process of ``record`` is still running (the same process, not a reused pid)."""
+    server = procs.ProcessRef.from_dict(record.get("server"))
+    return bool(server and server.alive())
