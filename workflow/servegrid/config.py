@@ -214,7 +214,10 @@ def load_schema() -> dict[str, Any]:
             "required": ["contexts", "concurrency"],
             "properties": properties,
         }
-    schema["properties"]["verdict"]["properties"]["classes"]["items"]["properties"]["mode"]["enum"] = modes.names()
+    classes = schema["properties"]["verdict"]["properties"]["classes"]
+    classes["items"]["properties"]["mode"]["enum"] = modes.names()
+    # By default: the KV-limited corner, then one class per mode, so a new mode has its verdict row.
+    classes["default"] = [{"id": "kv_limit", "kv_limited": True}] + [{"id": m, "mode": m} for m in modes.names()]
     return schema
 
 

@@ -1,0 +1,190 @@
+"""The package's shape: modes are one module each, imports flow one way, heavy libraries stay where they belong."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, synthetic_cell, with_changes
+from servegrid import aggregate, figure_list, figures, modes, report
+from servegrid.config import Experiment
+from servegrid.modes.base import N_, FigureSpec, Mode, Primary
+
+PACKAGE = REPO / "workflow" / "servegrid"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """servegrid module → the servegrid modules it imports, anywhere in it (functions too)."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                # "from servegrid import stats" imports the module servegrid.stats
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            else:
+                continue
+            edges |= {t for t in targets if t.startswith("servegrid")}
+    modules = set(graph)
+    # Keep edges to modules (not to names inside them); a parent package is not an edge.
+    return {m: {t for t in targets if t in modules and t != m} for m, targets in graph.items()}
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "servegrid.modes.decode" in graph and "servegrid.engines.vllm" in graph
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + "."):
+                continue  # a package importing its own submodules (registration) is not a cycle
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " → ".join([*path[path.index(nxt) :], nxt]))
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+# Modules the measuring client, the plots and the PDF are not for: importing one must not load them.
+LIGHT = [
+    "servegrid.config",
+    "servegrid.modes",
+    "servegrid.engines",
+    "servegrid.engines.vllm",
+    "servegrid.records",
+    "servegrid.aggregate",
+    "servegrid.verdict",
+    "servegrid.figure_list",
+    "servegrid.metrics",
+    "servegrid.state",
+    "servegrid.server",
+    "servegrid.supervisor",
+    "servegrid.errors",
+]
+HEAVY = ["aiohttp", "seaborn", "matplotlib", "weasyprint", "servegrid.testing"]
+
+
+@pytest.mark.parametrize("module", LIGHT)
+def test_light_modules_do_not_load_the_client_the_plots_or_the_pdf(module):
+    code = f"import sys, json, {module}; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith('servegrid.testing'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout) == [], f"{module} loads {out.stdout}"
+
+
+def test_the_pipeline_never_imports_the_testing_subpackage():
+    graph = import_graph()
+    offenders = [m for m, targets in graph.items() if not m.startswith("servegrid.testing")
+                 and any(t.startswith("servegrid.testing") for t in targets)]  # fmt: skip
+    assert offenders == []
+
+
+def test_no_module_grows_past_300_lines_without_saying_why():
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > 300:
+            head = "\n".join(lines[:25]).lower()
+            assert "lines" in head and "why" in head or "because" in head, (
+                f"{path}: {len(lines)} lines, no reason given"
+            )
+
+
+# ---- a fourth mode is one module: registered at test time, through aggregate → verdict → figures → report ----
+
+
+@pytest.fixture
+def toy_mode():
+    """decode_short: the decode runner under another name, as a new module would register it."""
+    decode = modes.get("decode")
+    mode = Mode(
+        name="decode_short",
+        run=decode.run,
+        primary=Primary(
+            "decode_tps",
+            higher_is_better=True,
+            unit="rate",
+            axis_label=N_("short decode tokens/s"),
+            header=N_("tok/s"),
+            verdict_word=N_("short decode"),
+        ),  # fmt: skip
+        title=N_("Short decode"),
+        short_title=N_("Short decode, cold prompts"),
+        class_title=N_("Short generations on cold prompts"),
+        section_title=N_("Short decode: a toy mode registered by a test"),
+        description=N_("Prompts of %(prompt)s tokens, %(output)s tokens out."),
+        context_title=N_("prompt of %(tokens)s tokens"),
+        context_header=N_("Prompt"),
+        schema={"burst": {"type": "integer", "minimum": 1, "default": 2}},
+        defaults={"output_tokens": 16},
+        figures=(FigureSpec("decode_short_tps", "primary_by_concurrency", N_("Short decode"), N_("Toy figure.")),),
+        describe=lambda w: {"prompt": list(w["contexts"]), "output": w["output_tokens"]},
+    )
+    modes.register(mode)
+    yield mode
+    modes.unregister("decode_short")
+
+
+def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_path, monkeypatch, demo_raw):
+    monkeypatch.chdir(tmp_path)
+    raw = with_changes(demo_raw)
+    raw["workloads"] = {
+        "decode": {"contexts": [512], "concurrency": [1, 2]},
+        "decode_short": {"contexts": [256], "concurrency": [1, 2], "burst": 3},
+    }
+    experiment = Experiment(raw)
+    assert experiment.modes() == ["decode", "decode_short"]
+    assert experiment.workload("decode_short").settings["burst"] == 3  # its own schema, its own default filled
+    assert experiment.workload("decode_short").settings["output_tokens"] == 16
+    assert [c.id for c in experiment.verdict.classes][-1] == "decode_short"  # a verdict class of its own
+    speeds = {"prefix_cache": 0.004, "ngram": 0.002}
+    for cell in experiment.cells():
+        synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
+                       ttft_s=0.05, interval_s=speeds[cell.configuration], output_tokens=16)  # fmt: skip
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("requests", "summary", "servers", "comparisons", "verdict",
+                                                        "crossovers")}  # fmt: skip
+    summary = aggregate.aggregate(
+        experiment, [c.path for c in experiment.cells()], out["requests"], out["summary"], out["servers"],
+        out["comparisons"], verdict_out=out["verdict"], crossovers_out=out["crossovers"],
+    )  # fmt: skip
+    toy_rows = summary[summary["mode"] == "decode_short"]
+    assert len(toy_rows) == 4 and set(toy_rows["primary_metric"]) == {"decode_tps"}
+    import pandas as pd
+
+    verdict = pd.read_parquet(out["verdict"]).set_index("class_id")
+    assert verdict.loc["decode_short", "outcome"] == "win" and verdict.loc["decode_short", "winner"] == "ngram"
+    names = [spec.name for _, spec in figure_list.figure_specs(experiment)]
+    assert "decode_short_tps" in names
+    figures_dir = tmp_path / "figures"
+    figures.draw_all(experiment, out["summary"], out["comparisons"], figures_dir, "pt")
+    assert (figures_dir / "decode_short_tps.svg").stat().st_size > 1000
+    html = tmp_path / "r.html"
+    report.render(experiment, "pt", out["summary"], out["comparisons"], out["servers"], figures_dir, str(html),
+                  str(tmp_path / "r.pdf"), out["verdict"], out["crossovers"])  # fmt: skip
+    text = html.read_text(encoding="utf-8")
+    assert '<section id="decode-short">' in text
+    assert "Short decode: a toy mode registered by a test" in text
+    assert "Prompts of 256 tokens, 16 tokens out." in text
+    assert "Short generations on cold prompts" in text  # its verdict row
+    assert text.count('src="data:image/png;base64,') == len(names)
