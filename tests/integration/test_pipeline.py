@@ -198,6 +198,30 @@ def test_a_template_change_rebuilds_only_the_report(pipeline_run, baseline):
     run(workdir, baseline, "test.yaml")
 
 
+def test_editing_a_label_redraws_exactly_the_figures_and_reports(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    old = raw["configurations"]["ngram"]["label"]
+    raw["configurations"]["ngram"]["label"] = "ngram, relabelled"
+    counts, cells = plan(workdir, raw)
+    assert cells == set()
+    assert counts == {"figures": 2, "report_document": 2, "report": 1}
+    run(workdir, raw)
+    html = (workdir / "results" / "report" / "servegrid-pt.html").read_text()
+    assert "ngram, relabelled" in html and old not in html  # headers and winner columns alike
+    baseline.update(raw)
+
+
+@pytest.mark.parametrize(("key", "value"), [("title", "Relabelled experiment"), ("hardware", "a 2-core test box")])
+def test_editing_the_title_or_hardware_rebuilds_exactly_the_reports(pipeline_run, baseline, key, value):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["experiment"][key] = value
+    counts, cells = plan(workdir, raw)
+    assert cells == set()
+    assert counts == {"report_document": 2, "report": 1}
+
+
 def test_changing_one_configurations_server_starts_only_that_server(pipeline_run, baseline):
     workdir, _ = pipeline_run
     raw = copy.deepcopy(baseline)

@@ -103,11 +103,11 @@ def test_the_pipeline_never_imports_the_testing_subpackage():
 
 def test_no_module_grows_past_300_lines_without_saying_why():
     for path in PACKAGE.rglob("*.py"):
-        lines = path.read_text(encoding="utf-8").splitlines()
-        if len(lines) > 300:
-            head = "\n".join(lines[:25]).lower()
-            assert "lines" in head and "why" in head or "because" in head, (
-                f"{path}: {len(lines)} lines, no reason given"
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > 300:
+            docstring = ast.get_docstring(ast.parse(text)) or ""
+            assert "over 300 lines" in docstring, (
+                f"{path}: {len(text.splitlines())} lines, and its docstring says not why"
             )
 
 

@@ -7,13 +7,20 @@ the config's report.languages is checked against this list.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from babel import Locale
+from babel.dates import format_date, format_datetime
 from babel.messages.mofile import write_mo
 from babel.messages.pofile import read_po
 from babel.numbers import format_decimal
 from babel.support import Translations
+
+from servegrid import stats
+from servegrid.errors import ConfigError
 
 REPORT_ROOT = Path(__file__).resolve().parents[2] / "report"
 LOCALES = REPORT_ROOT / "locales"
@@ -32,7 +39,7 @@ def load_catalog(lang: str) -> tuple[Translations, Locale]:
     """Compile the language's .po catalogue in memory (no generated .mo files in the tree)."""
     path = catalog_path(lang)
     if not path.exists():
-        raise FileNotFoundError(f"no catalogue for language '{lang}' at {path}")
+        raise ConfigError(f"report.languages: no catalogue for language '{lang}' at {path}")
     with path.open("rb") as handle:
         catalog = read_po(handle, locale=None)
     buffer = io.BytesIO()
@@ -45,3 +52,42 @@ def load_catalog(lang: str) -> tuple[Translations, Locale]:
 def format_number(value: float, digits: int, locale: Locale | str) -> str:
     """``value`` with ``digits`` decimals and the language's own separators (Babel)."""
     return format_decimal(value, format="#,##0" + ("." + "0" * digits if digits > 0 else ""), locale=locale)
+
+
+@dataclass
+class Formatter:
+    """Locale-aware number formatting for the template's filters."""
+
+    locale: Locale
+
+    def num(self, value: Any, digits: int = 1) -> str:
+        return "–" if stats.missing(value) else format_number(value, digits, self.locale)
+
+    def integer(self, value: Any) -> str:
+        return self.num(value, 0)
+
+    def ratio(self, value: Any, digits: int = 1) -> str:
+        text = self.num(value, digits)
+        return text if text == "–" else f"{text}×"
+
+    def seconds(self, value: Any) -> str:
+        if stats.missing(value):
+            return "–"
+        digits = 2 if abs(value) < 10 else 1
+        return f"{self.num(value, digits)} s"
+
+    def ms(self, value: Any) -> str:
+        if stats.missing(value):
+            return "–"
+        return f"{self.num(value * 1000, 1)} ms"
+
+    def percent(self, value: Any) -> str:
+        if stats.missing(value):
+            return "–"
+        return f"{self.num(value * 100, 0)} %" if self.locale.language == "hu" else f"{self.num(value * 100, 0)}%"
+
+    def date(self, value: datetime | None) -> str:
+        return "–" if value is None else format_date(value, format="long", locale=self.locale)
+
+    def datetime(self, value: datetime | None) -> str:
+        return "–" if value is None else format_datetime(value, format="medium", locale=self.locale)

@@ -15,22 +15,33 @@ declared input of those rules alone.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonschema import Draft202012Validator, validators
-from jsonschema.exceptions import ValidationError
 
 from servegrid import engines, modes, paths
 from servegrid.errors import ConfigError
+from servegrid.schema import validate
+from servegrid.sections import (
+    ClassRule,
+    Configuration,
+    EngineSection,
+    ExperimentInfo,
+    ModelSection,
+    Operations,
+    Validity,
+    VerdictRules,
+    Workload,
+    section,
+)
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
+__all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Validity", "VerdictRules", "Workload"]
+
 
 # Bump when the way a cell is measured changes: every cell reruns.
 MEASUREMENT_VERSION = 4  # 4: /metrics parsed after the measured phase, not during it
@@ -57,188 +68,6 @@ class Cell:
         return paths.cell(self.configuration, self.mode, self.context, self.concurrency)
 
 
-# ---- typed sections ---------------------------------------------------------------------------
-
-
-def _section(cls: type, data: Mapping[str, Any], **extra: Any) -> Any:
-    """``cls`` from a validated mapping: lists become tuples, so sections stay immutable."""
-    names = {f.name for f in fields(cls)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names}
-    return cls(**values, **extra)
-
-
-@dataclass(frozen=True)
-class ExperimentInfo:
-    title: str
-    hardware: str = ""
-    notes: str = ""
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    path: str
-    served_name: str
-    tiny: Mapping[str, Any] | None = None  # model.tiny as written; Experiment.tiny_model_spec() fills defaults
-
-
-@dataclass(frozen=True)
-class EngineSection:
-    kind: str
-    command: tuple[str, ...]
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] | None = None
-    api_key_env: str | None = None
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """One server configuration to compare."""
-
-    name: str
-    label: str
-    prefix_caching: bool
-    speculative: Mapping[str, Any] | None = None
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] | None = None
-    gpus: tuple[int, ...] = ()  # placement only
-    cpus: tuple[int, ...] = ()  # placement only
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One enabled workload mode: where it sits in the grid and what its cells measure."""
-
-    mode: str
-    contexts: tuple[int, ...]
-    concurrency: tuple[int, ...]
-    settings: Mapping[str, Any]  # everything else: what shapes a cell's numbers (cell_settings' "workload")
-
-
-@dataclass(frozen=True)
-class Operations:
-    """How to run, never what to measure: editing these reruns nothing."""
-
-    host: str
-    port_range: tuple[int, int]
-    client_cpus: tuple[int, ...]
-    startup_timeout_s: float
-    request_timeout_s: float
-    shutdown_timeout_s: float
-    metrics_interval_s: float
-    log_level: str
-
-
-@dataclass(frozen=True)
-class Validity:
-    """When a cell's numbers cannot be trusted (docs/parquet-schema.md)."""
-
-    max_send_delay_s: float
-    max_loop_lag_s: float
-    max_client_cpu: float
-    min_hit_rate_fraction: float
-    max_unexpected_hit_rate: float
-
-
-@dataclass(frozen=True)
-class ClassRule:
-    """Which cell groups a workload class takes (all given conditions must hold)."""
-
-    id: str
-    mode: str | None = None
-    kv_limited: bool | None = None
-    min_context: int | None = None
-    max_context: int | None = None
-    min_concurrency: int | None = None
-    max_concurrency: int | None = None
-
-    def matches(self, group: Mapping[str, Any]) -> bool:
-        checks = (
-            self.mode is None or group["mode"] == self.mode,
-            self.kv_limited is None or bool(group["kv_limited"]) == self.kv_limited,
-            self.min_context is None or group["context"] >= self.min_context,
-            self.max_context is None or group["context"] <= self.max_context,
-            self.min_concurrency is None or group["concurrency"] >= self.min_concurrency,
-            self.max_concurrency is None or group["concurrency"] <= self.max_concurrency,
-        )
-        return all(checks)
-
-
-@dataclass(frozen=True)
-class VerdictRules:
-    """The verdict engine's thresholds and classes (docs/verdict.md)."""
-
-    classes: tuple[ClassRule, ...]
-    min_factor: float = 1.05
-    range_style_ratio: float = 3.0
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any]) -> VerdictRules:
-        return cls(
-            classes=tuple(ClassRule(**c) for c in section["classes"]),
-            min_factor=section["min_factor"],
-            range_style_ratio=section["range_style_ratio"],
-        )
-
-
-# ---- validation ---------------------------------------------------------------------------------
-
-
-def _validator_with_defaults() -> type:
-    """jsonschema's documented recipe: fill in ``default`` while validating (as Snakemake's validate() does)."""
-    base = Draft202012Validator
-    validate_properties = base.VALIDATORS["properties"]
-
-    def set_defaults(validator, properties, instance, schema):  # type: ignore[no-untyped-def]
-        if isinstance(instance, dict):
-            for name, subschema in properties.items():
-                if "default" in subschema:
-                    instance.setdefault(name, copy.deepcopy(subschema["default"]))
-        yield from validate_properties(validator, properties, instance, schema)
-
-    return validators.extend(base, {"properties": set_defaults})
-
-
-def load_schema() -> dict[str, Any]:
-    """The config schema with one ``workloads`` entry per registered mode (its module's settings)."""
-    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
-    common = schema["$defs"]["mode_common"]
-    workloads = schema["properties"]["workloads"]
-    for mode in modes.registered():
-        properties = {"enabled": {"type": "boolean", "default": True}}
-        for key, subschema in common.items():
-            properties[key] = {**subschema, **({"default": mode.defaults[key]} if key in mode.defaults else {})}
-        properties.update(copy.deepcopy(dict(mode.schema)))
-        workloads["properties"][mode.name] = {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["contexts", "concurrency"],
-            "properties": properties,
-        }
-    classes = schema["properties"]["verdict"]["properties"]["classes"]
-    classes["items"]["properties"]["mode"]["enum"] = modes.names()
-    # By default: the KV-limited corner, then one class per mode, so a new mode has its verdict row.
-    classes["default"] = [{"id": "kv_limit", "kv_limited": True}] + [{"id": m, "mode": m} for m in modes.names()]
-    return schema
-
-
-def _key_path(error: ValidationError) -> str:
-    out = ""
-    for part in error.absolute_path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
-def validate(raw: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
-    """Validate against the JSON schema and fill defaults; raise :class:`ConfigError`."""
-    config = copy.deepcopy(dict(raw))
-    validator = _validator_with_defaults()(load_schema())
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
-    if errors:
-        lines = [f"{source}: {_key_path(e)}: {e.message}" for e in errors[:10]]
-        raise ConfigError("invalid configuration\n  " + "\n  ".join(lines))
-    return config
-
-
 class Experiment:
     """A validated configuration: typed sections and the derived grid."""
 
@@ -247,25 +76,25 @@ class Experiment:
         # The validated dict with defaults filled in: hashed for provenance, never read by key.
         self.raw = validate(raw, source)
         r = self.raw
-        self.info: ExperimentInfo = _section(ExperimentInfo, r["experiment"])
-        self.model: ModelSection = _section(ModelSection, r["model"])
-        self.engine: EngineSection = _section(EngineSection, r["engine"])
+        self.info: ExperimentInfo = section(ExperimentInfo, r["experiment"])
+        self.model: ModelSection = section(ModelSection, r["model"])
+        self.engine: EngineSection = section(EngineSection, r["engine"])
         self.configurations: dict[str, Configuration] = {
-            name: _section(Configuration, conf, name=name) for name, conf in r["configurations"].items()
+            name: section(Configuration, conf, name=name) for name, conf in r["configurations"].items()
         }
         self.temperature: float = r["sampling"]["temperature"]
         self.workloads: dict[str, Workload] = {
             mode: Workload(
                 mode=mode,
-                contexts=tuple(section["contexts"]),
-                concurrency=tuple(section["concurrency"]),
-                settings={k: v for k, v in section.items() if k not in GRID_KEYS},
+                contexts=tuple(written["contexts"]),
+                concurrency=tuple(written["concurrency"]),
+                settings={k: v for k, v in written.items() if k not in GRID_KEYS},
             )
             for mode in modes.names()
-            if (section := r["workloads"].get(mode)) is not None and section["enabled"]
+            if (written := r["workloads"].get(mode)) is not None and written["enabled"]
         }
-        self.operations: Operations = _section(Operations, r["operations"])
-        self.validity: Validity = _section(Validity, r["validity"])
+        self.operations: Operations = section(Operations, r["operations"])
+        self.validity: Validity = section(Validity, r["validity"])
         self.verdict = VerdictRules.from_config(r["verdict"])
         self.languages: list[str] = list(r["report"]["languages"])
         self._check_semantics()

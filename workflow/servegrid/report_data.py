@@ -1,0 +1,207 @@
+"""Everything the report template shows, derived from the run's tables and the configuration.
+
+The tables hold configuration names; labels, titles and settings come from the
+:class:`~servegrid.config.Experiment` (declared as the report rule's params), so a
+label edit reruns only the reports.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from babel import Locale
+
+from servegrid import engines, modes, stats
+from servegrid.catalogues import Formatter
+from servegrid.config import Experiment, canonical_json
+from servegrid.figure_list import RUN_FIGURES
+from servegrid.modes.base import FigureSpec, Mode
+
+
+class ReportData:
+    """Everything the template shows, derived from the run's tables."""
+
+    def __init__(
+        self,
+        experiment: Experiment,
+        summary: pd.DataFrame,
+        comparisons: pd.DataFrame,
+        servers: pd.DataFrame,
+        verdict: pd.DataFrame | None = None,
+        crossovers: pd.DataFrame | None = None,
+        formatter: Formatter | None = None,
+        gettext: Any = None,
+    ) -> None:
+        self.experiment = experiment
+        self.formatter = formatter or Formatter(Locale.parse("en"))
+        self.gettext = gettext or (lambda message: message)
+        self.summary = summary
+        self.comparisons = comparisons
+        self.servers = servers
+        self.verdict = verdict if verdict is not None else pd.DataFrame()
+        self.crossovers = crossovers if crossovers is not None else pd.DataFrame()
+
+    @staticmethod
+    def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+        """Rows as dicts with NaN turned into None, so templates can test ``is none``."""
+        if frame.empty:
+            return []
+        return [
+            {k: (None if stats.missing(v) else v) for k, v in _plain(row).items()} for row in frame.to_dict("records")
+        ]
+
+    def verdict_classes(self) -> list[dict[str, Any]]:
+        """The verdict table: classes that have data, each with its winner's label."""
+        return [
+            row | {"winner_label": self.label(row["winner"])}
+            for row in self.records(self.verdict)
+            if row["outcome"] != "no_data"
+        ]
+
+    def crossover_rows(self) -> list[dict[str, Any]]:
+        return self.records(self.crossovers)
+
+    def label(self, configuration: str | None) -> str:
+        """A configuration's label from the config (a declared input of the report rule), not from the tables."""
+        if configuration is None or configuration not in self.experiment.configurations:
+            return configuration or ""
+        return self.experiment.configurations[configuration].label
+
+    # ---- modes --------------------------------------------------------------------------------
+    @staticmethod
+    def mode(name: str) -> Mode:
+        return modes.get(name)
+
+    def class_mode(self, class_id: str) -> Mode | None:
+        """The mode a verdict class is named after, if it is."""
+        return modes.get(class_id) if class_id in modes.names() else None
+
+    def class_title(self, class_id: str) -> str:
+        mode = self.class_mode(class_id)
+        return self.gettext(mode.class_title) if mode else class_id
+
+    def verdict_word(self, class_modes: str) -> str:
+        """What a class's factors measure ("decode", "TTFT"): its modes' word, when they share one."""
+        words = {modes.get(m).primary.verdict_word for m in class_modes.split(",") if m}
+        return self.gettext(words.pop()) if len(words) == 1 else ""
+
+    def mode_sections(self) -> list[dict[str, Any]]:
+        """One report section per enabled mode: the mode, its description's values (formatted) and its rows."""
+        sections = []
+        for name in self.experiment.modes():
+            mode, workload = modes.get(name), self.experiment.workload(name)
+            params = {key: self.format_value(value) for key, value in mode.describe(workload.settings | {
+                "contexts": workload.contexts, "concurrency": workload.concurrency}).items()}  # fmt: skip
+            sections.append(
+                {"mode": mode, "params": params, "rows": self.mode_rows(name), "concurrency": workload.concurrency}
+            )
+        return sections
+
+    def format_value(self, value: Any) -> str:
+        """A setting as the description shows it: numbers in the locale's format, lists joined."""
+        if isinstance(value, list | tuple):
+            return ", ".join(self.format_value(v) for v in value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return str(value)
+        return self.formatter.integer(value) if float(value).is_integer() else self.formatter.num(value, 2)
+
+    @staticmethod
+    def run_figures() -> tuple[FigureSpec, ...]:
+        return RUN_FIGURES
+
+    def engine_name(self) -> str:
+        return engines.get(self.experiment.engine.kind).display_name
+
+    def role_label(self, role: str) -> str:
+        names = [n for n, r in self.experiment.roles().items() if r == role]
+        return self.label(names[0]) if names else ""
+
+    def cells(self) -> list[dict[str, Any]]:
+        return self.records(self.summary)
+
+    def run_dates(self) -> tuple[datetime | None, datetime | None]:
+        if self.summary.empty:
+            return None, None
+        starts = pd.to_datetime(self.summary["started_at"], utc=True, format="ISO8601")
+        return starts.min().to_pydatetime(), starts.max().to_pydatetime()
+
+    def configurations(self) -> list[dict[str, Any]]:
+        out = []
+        for name, conf in self.experiment.configurations.items():
+            sessions = self.servers[self.servers["configuration"] == name] if len(self.servers) else self.servers
+            latest = _plain(sessions.iloc[-1].to_dict()) if len(sessions) else {}
+            out.append(
+                {
+                    "name": name,
+                    "label": conf.label,
+                    "prefix_caching": conf.prefix_caching,
+                    "speculative": canonical_json(conf.speculative) if conf.speculative else None,
+                    "flags": " ".join(self.experiment.configuration_flags(name)),
+                    "gpus": list(conf.gpus),
+                    "server": latest,
+                    "sessions": len(sessions),
+                }
+            )
+        return out
+
+    def mode_rows(self, mode: str) -> list[dict[str, Any]]:
+        """Rows of (context, concurrency) with each configuration's cell and the comparison."""
+        cells = self.summary[self.summary["mode"] == mode]
+        comps = self.comparisons
+        rows = []
+        for (context, concurrency), group in cells.groupby(["context", "concurrency"], sort=True):
+            by_conf = {r["configuration"]: r for r in group.to_dict("records")}
+            comp = None
+            if len(comps):
+                match = comps[
+                    (comps["mode"] == mode) & (comps["context"] == context) & (comps["concurrency"] == concurrency)
+                ]
+                comp = (
+                    match.iloc[0].to_dict() | {"winner_label": self.label(match.iloc[0]["winner"])}
+                    if len(match)
+                    else None
+                )
+            rows.append(
+                {"context": int(context), "concurrency": int(concurrency), "cells": by_conf, "comparison": comp}
+            )
+        return rows
+
+    def verdict_rows(self) -> list[dict[str, Any]]:
+        return [row | {"winner_label": self.label(row["winner"])} for row in self.records(self.comparisons)]
+
+    def invalid_cells(self) -> list[dict[str, Any]]:
+        if self.summary.empty:
+            return []
+        return self.summary[~self.summary["valid"].astype(bool)].to_dict("records")
+
+    def engine_versions(self) -> list[str]:
+        if self.servers.empty:
+            return []
+        return sorted({str(v) for v in self.servers["engine_version"].dropna()})
+
+    def hardware(self) -> str:
+        if self.experiment.info.hardware:
+            return self.experiment.info.hardware
+        if self.servers.empty:
+            return ""
+        row = self.servers.iloc[0]
+        described = f"{row['host_cpu']} ({row['host_cpu_count']} CPU, {row['host_memory_gib']} GiB)"
+        gpus = row.get("host_gpus") or ""
+        return f"{described}; {gpus}" if gpus else described
+
+    def cpu_placement(self) -> dict[str, str] | None:
+        """The cores servers and client were confined to, when either was ("" = not confined)."""
+        servers = sorted({",".join(map(str, c)) for c in self.servers["cpus"]}) if "cpus" in self.servers else []
+        clients = sorted(set(self.summary["client_cpus"])) if "client_cpus" in self.summary else []
+        confined_servers = [s for s in servers if s]
+        if not confined_servers and not self.experiment.operations.client_cpus:
+            return None
+        return {"server": " / ".join(servers), "client": " / ".join(clients)}
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """Parquet list columns arrive as numpy arrays; templates want lists."""
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
