@@ -68,7 +68,9 @@ def validate(raw: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
     config = copy.deepcopy(dict(raw))
     validator = _validator_with_defaults()(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if len(errors) == 1:
+        raise ConfigError(f"{source}: {_key_path(errors[0])}: {errors[0].message}")
     if errors:
         lines = [f"{source}: {_key_path(e)}: {e.message}" for e in errors[:10]]
-        raise ConfigError("invalid configuration\n  " + "\n  ".join(lines))
+        raise ConfigError(f"{source}: {len(errors)} problems\n  " + "\n  ".join(lines))
     return config
