@@ -1,6 +1,6 @@
 """What the servegrid client adds to every latency it measures, and how much it can take.
 
-The calibration server (servegrid.calibration, loopback, pinned to CPU 0)
+The calibration server (servegrid.testing.calibration, loopback, pinned to CPU 0)
 streams on a fixed schedule and stamps every SSE event with the monotonic time
 it wrote it. servegrid's own client path (servegrid.client.Streamer, the code
 every cell uses), pinned to CPU 1, stamps each socket read in the connection's
@@ -36,19 +36,15 @@ import httpx
 import numpy as np
 from httpx_aiohttp import HttpxAiohttpClient
 
-from servegrid import hostinfo
+from servegrid import engines, hostinfo
 from servegrid.cell import run_loop
-from servegrid.client import (
-    ClientMonitor,
-    CollectorPause,
-    RequestRecord,
-    Streamer,
-    decode_stream,
-    streaming_body,
-    streaming_session,
-)
+from servegrid.client import Streamer, decode_stream, streaming_session
+from servegrid.client_monitor import ClientMonitor, CollectorPause
+from servegrid.request_record import RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
+# The calibration server speaks vLLM's dialect by default, so the requests are a vLLM cell's, byte for byte.
+ENGINE = engines.get("vllm")
 
 
 def free_port() -> int:
@@ -60,14 +56,14 @@ def free_port() -> int:
 def start_server(port: int, ttft: float, interval: float, cpu: int | None) -> subprocess.Popen:
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "servegrid.calibration", "--port", str(port), "--ttft", str(ttft),
+        [sys.executable, "-m", "servegrid.testing.calibration", "--port", str(port), "--ttft", str(ttft),
          "--interval", str(interval)],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=preexec,
     )  # fmt: skip
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}{ENGINE.health_path}", timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             time.sleep(0.1)
@@ -81,7 +77,7 @@ async def consumer_stamped(client: httpx.AsyncClient, url: str, payload: dict, r
     reads: list[tuple[int, int]] = []
     received = 0
     record.sent_ns = time.monotonic_ns()
-    async with client.stream("POST", url + "/v1/completions", json=streaming_body(payload)) as response:
+    async with client.stream("POST", url + ENGINE.completions_path, json=payload) as response:
         async for raw in response.aiter_raw():
             if raw:
                 received += len(raw)
@@ -105,8 +101,9 @@ async def servegrid_path(url: str, streams: int) -> AsyncIterator[ClientPath]:
     """The path every cell uses: reads stamped in data_received, connections opened first, decoding after."""
     async with streaming_session(streams + 4, 120) as session:
         streamer = Streamer(session, url)
-        send = functools.partial(streamer.stream, "/v1/completions", decode=False)
-        yield ClientPath(send, streamer.open_connections, streamer.decode_pending)
+        send = functools.partial(streamer.stream, ENGINE.completions_path, decode=False)
+        open_connections = functools.partial(streamer.open_connections, path=ENGINE.health_path)
+        yield ClientPath(send, open_connections, streamer.decode_pending)
 
 
 @contextlib.asynccontextmanager
@@ -142,7 +139,7 @@ async def run_level(url: str, streams: int, requests_per_stream: int, tokens: in
                 record = RequestRecord(f"s{s}r{r}", s, r, "measured", 1, 8, tokens)
                 record.intended_send_ns = intended
                 records.append(record)
-                payload = {"model": "calibration", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": tokens}
+                payload = ENGINE.completion_payload("calibration", [1, 2, 3, 4, 5, 6, 7, 8], tokens, 0.0)
                 await client_path.send(payload, record)
                 intended = record.end_ns or time.monotonic_ns()
 

@@ -1,11 +1,11 @@
 """Before the seed experiment on a GPU host: does each configuration get the GPU(s) it names?
 
 Checks, without starting vLLM (a 27B model takes minutes to load):
-- the GPUs every configuration names are on this host (servegrid.server.check_gpus,
+- the GPUs every configuration names are on this host (servegrid.hostinfo.check_gpus,
   the check each server start makes);
-- under each configuration's server environment (servegrid.server.server_env), a CUDA
-  process sees exactly that many GPUs, and they are the ones nvidia-smi lists under those
-  indices (by UUID);
+- under each configuration's server environment (its engine's server_env, the API key
+  left out), a CUDA process sees exactly that many GPUs, and they are the ones nvidia-smi
+  lists under those indices (by UUID);
 - the host description the report prints (servegrid.hostinfo.describe).
 
     python benchmarks/gpu_host_check.py [--config config.yaml] [--cuda-python PATH]
@@ -23,8 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from servegrid import hostinfo, server
-from servegrid.config import ConfigError, Experiment
+from servegrid import engines, hostinfo
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError, ServerError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,14 +59,15 @@ def main() -> int:
     uuids = nvidia_smi_uuids() if present else {}
     failures = 0
     for name, configuration in experiment.configurations.items():
-        gpus = list(configuration.get("gpus") or [])
+        gpus = list(configuration.gpus)
         try:
-            server.check_gpus(gpus, f"configurations.{name}.gpus")
-        except server.ServerError as exc:
+            hostinfo.check_gpus(gpus, f"configurations.{name}.gpus")
+        except ServerError as exc:
             print(f"{name}: FAIL {exc}")
             failures += 1
             continue
-        env = server.server_env(experiment.launch_spec(name), gpus)
+        spec = experiment.launch_spec(name)
+        env = engines.get(spec["engine"]).server_env(spec["env"], gpus, api_key=None)
         probe = subprocess.run(
             [args.cuda_python, "-c", CUDA_PROBE], env={**os.environ, **env},
             capture_output=True, text=True, timeout=120,

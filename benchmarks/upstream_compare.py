@@ -55,16 +55,30 @@ import httpx
 import numpy as np
 import yaml
 
-from servegrid import aggregate, metrics, model, procs, records, server, stats
-from servegrid.cell import reset_prefix_cache, run_loop
-from servegrid.client import CollectorPause, RequestRecord, Streamer, streaming_session
+from servegrid import aggregate, engines, metrics, model, procs, server, stats
+from servegrid.cell import run_loop
+from servegrid.client import Streamer, streaming_session
+from servegrid.client_monitor import CollectorPause
 from servegrid.config import Experiment
 from servegrid.prompts import PromptBuilder
+from servegrid.request_record import RequestRecord
+from servegrid.testing import benchmark_stats
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PROMPT_TOKENS, OUTPUT_TOKENS = 1024, 128
-EXTRA_BODY = {"min_tokens": OUTPUT_TOKENS, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+ENGINE = engines.get("vllm")  # `vllm bench serve` is vLLM's own client: the comparison is on vLLM only
+# What `vllm bench serve` puts in a request itself; the rest of servegrid's request goes in its --extra-body.
+UPSTREAM_SETS = ("model", "prompt", "max_tokens", "temperature", "stream")
+
+
+def servegrid_request(served: str, prompt: str) -> dict:
+    """A cell's request, with the text both clients send in place of token ids (upstream sends text)."""
+    return {**ENGINE.completion_payload(served, [], OUTPUT_TOKENS, 0.0), "prompt": prompt}
+
+
+def upstream_extra_body() -> dict:
+    return {k: v for k, v in servegrid_request("", "").items() if k not in UPSTREAM_SETS}
 
 
 def experiment(out: Path, config: Path | None, vllm_python: Path) -> Experiment:
@@ -82,7 +96,7 @@ def experiment(out: Path, config: Path | None, vllm_python: Path) -> Experiment:
 
 def client_cores(exp: Experiment) -> set[int]:
     """The demo's client core (operations.client_cpus, away from the server's); else the last CPU."""
-    return set(exp.operations["client_cpus"] or [sorted(os.sched_getaffinity(0))[-1]])
+    return set(exp.operations.client_cpus or [sorted(os.sched_getaffinity(0))[-1]])
 
 
 class SharedServer:
@@ -97,29 +111,23 @@ class SharedServer:
         self.builder = PromptBuilder(self.tokenize, seed=11, corpus_tokens=8192)
 
     def tokenize(self, text: str) -> list[int]:
-        body = {"model": self.served, "prompt": text, "add_special_tokens": False}
-        return list(self.http.post(f"{self.url}/tokenize", json=body).raise_for_status().json()["tokens"])
+        return ENGINE.tokenize(self.http, self.url, self.served, text)
 
     def texts(self, count: int, label: str) -> list[str]:
         """``count`` prompts that no earlier one starts like (what both clients send)."""
         ids = [self.builder.unique(PROMPT_TOKENS, f"{label} {i}") for i in range(count)]
-        return [
-            self.http.post(f"{self.url}/detokenize", json={"model": self.served, "tokens": t})
-            .raise_for_status()
-            .json()["prompt"]
-            for t in ids
-        ]
+        return [ENGINE.detokenize(self.http, self.url, self.served, t) for t in ids]
 
     def warm_and_reset(self, label: str) -> None:
         """Empty the prefix cache, then one unmeasured request, so that each client's turn starts alike."""
-        reset_prefix_cache(self.http, self.url)
+        ENGINE.reset_prefix_cache(self.http, self.url)
         body = {"model": self.served, "prompt": self.texts(1, f"warm {label}")[0], "max_tokens": 8}
-        self.http.post(f"{self.url}/v1/completions", json=body).raise_for_status()
+        self.http.post(f"{self.url}{ENGINE.completions_path}", json=body).raise_for_status()
 
     def counters(self) -> dict[str, float]:
         """vLLM's counters as they stand now, its own TTFT and TPOT timing among them."""
-        exposition = self.http.get(f"{self.url}/metrics").raise_for_status().text
-        return metrics.parse(exposition, self.served)
+        exposition = self.http.get(f"{self.url}{ENGINE.metrics_path}").raise_for_status().text
+        return ENGINE.parse_metrics(exposition, self.served)
 
     def close(self) -> None:
         self.http.close()
@@ -136,12 +144,11 @@ async def servegrid_client(url: str, served: str, prompts: list[str], concurrenc
             for i in range(s, len(prompts), concurrency):
                 record = RequestRecord(f"p{i}", s, i, "measured", 1, PROMPT_TOKENS, OUTPUT_TOKENS)
                 record.intended_send_ns = record.t0_ns = time.monotonic_ns()
-                payload = {"model": served, "prompt": prompts[i], "max_tokens": OUTPUT_TOKENS,
-                           "min_tokens": OUTPUT_TOKENS, "ignore_eos": True, "temperature": 0}  # fmt: skip
-                await streamer.stream("/v1/completions", payload, record, decode=False)
+                payload = servegrid_request(served, prompts[i])
+                await streamer.stream(ENGINE.completions_path, payload, record, decode=False)
                 done.append(record)
 
-        await streamer.open_connections(concurrency)
+        await streamer.open_connections(concurrency, ENGINE.health_path)
         collector = CollectorPause()
         collector.start()
         try:
@@ -153,7 +160,9 @@ async def servegrid_client(url: str, served: str, prompts: list[str], concurrenc
 
 
 def servegrid_run(url: str, served: str, prompts: list[str], concurrency: int) -> dict[str, list[float]]:
-    frame = aggregate.derive(records.to_frame(run_loop(servegrid_client(url, served, prompts, concurrency))))
+    frame = aggregate.derive(
+        benchmark_stats.records_frame(run_loop(servegrid_client(url, served, prompts, concurrency)))
+    )
     frame = frame[frame["error"].isna()]
     itl = [aggregate.per_token_itl(t, k) for t, k in zip(frame["chunk_times_s"], frame["chunk_tokens"], strict=True)]
     gaps = [np.diff(np.asarray(t, dtype=float)) for t in frame["chunk_times_s"]]
@@ -177,7 +186,7 @@ def upstream_run(url: str, served: str, tokenizer: str, prompts: list[str], conc
          "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", str(OUTPUT_TOKENS),
          "--skip-chat-template", "--no-oversample", "--num-prompts", str(len(prompts)),
          "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
-         "--extra-body", json.dumps(EXTRA_BODY), "--disable-tqdm",
+         "--extra-body", json.dumps(upstream_extra_body()), "--disable-tqdm",
          "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", result.name],
         check=False, capture_output=True, text=True, timeout=1200,  # on our client core: inherited
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
@@ -218,9 +227,9 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
         # request's place in the queue times one prefill, and a p50 between two places jumps when one
         # request changes place. The k-th fastest against the k-th fastest of the same round compares the
         # clients, not the queue lottery.
-        matched = [stats.rank_matched_ratios(x[metric], y[metric]) for x, y in zip(ours, theirs, strict=True)]
+        matched = [benchmark_stats.rank_matched_ratios(x[metric], y[metric]) for x, y in zip(ours, theirs, strict=True)]
         row[f"{metric}_matched_ratio"] = float(np.median(np.concatenate(matched)))
-        row[f"{metric}_matched_ratio_ci"] = stats.grouped_median_ci(matched)
+        row[f"{metric}_matched_ratio_ci"] = benchmark_stats.grouped_median_ci(matched)
     # Against the server's own timing of the very requests each client sent (vLLM's histograms): each
     # client's mean over the server's mean in its turn, then servegrid's over upstream's. What the queue
     # lottery and the server's drift do to a turn, the server's figure sees too, so it cancels; what is
@@ -312,12 +321,14 @@ def main() -> int:
         parser.error(
             f"--configurations: {', '.join(unknown)} not in the config (it has {', '.join(exp.configurations)})"
         )
-    tokenizer = exp.raw["model"]["path"]
+    if exp.engine.kind != ENGINE.kind:
+        parser.error(f"--config: engine.kind is '{exp.engine.kind}'; `vllm bench serve` compares on vLLM only")
+    tokenizer = exp.model.path
     # The config's own runtime and placement, but ports and state of its own, apart from the pipeline's.
     own = {"port_range": (8400, 8499), "state_dir": str(args.out / "state"), "cwd": str(REPO)}
     runtime = dataclasses.replace(server.Runtime.from_config(exp.operations), **own)
     owner = procs.ProcessRef.of(os.getpid())
-    served = exp.raw["model"]["served_name"]
+    served = exp.model.served_name
     all_cpus = os.sched_getaffinity(0)
     rows = []
     try:

@@ -13,7 +13,7 @@ import yaml
 
 from helpers import REPO, free_port_range
 from servegrid import server
-from servegrid.calibration import RunningServer, Script
+from servegrid.testing.calibration import RunningServer, Script
 
 
 @pytest.fixture
@@ -32,10 +32,10 @@ def seed_raw() -> dict[str, Any]:
 
 
 class CalibrationThread:
-    """A calibration server on its own event loop in a background thread."""
+    """A calibration server on its own event loop in a background thread (vLLM's dialect unless told)."""
 
-    def __init__(self, script: Script) -> None:
-        self.running = RunningServer(script)
+    def __init__(self, script: Script, **server_options: Any) -> None:
+        self.running = RunningServer(script, **server_options)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -56,7 +56,7 @@ class CalibrationThread:
 
 @pytest.fixture
 def calibration():  # type: ignore[no-untyped-def]
-    """Factory: ``with calibration(Script(...)) as srv: srv.url``."""
+    """Factory: ``with calibration(Script(...), dialect=...) as srv: srv.url``."""
     return CalibrationThread
 
 

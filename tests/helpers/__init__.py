@@ -25,6 +25,7 @@ def free_port_range(width: int = 20) -> tuple[int, int]:
 def fake_spec(name: str = "fake", *flags: str) -> dict[str, Any]:
     return {
         "configuration": name,
+        "engine": "vllm",  # the fake server answers where vLLM would
         "command": [sys.executable, str(FAKE_SERVER), "--model-path", "{model}"],
         "model": "fake-model",
         "served_name": "fake",
@@ -74,7 +75,7 @@ def synthetic_cell(
     import random as _random
 
     from servegrid import records
-    from servegrid.client import RequestRecord
+    from servegrid.request_record import RequestRecord
 
     rng = _random.Random(f"{configuration}{mode}{context}{concurrency}")
     recs = []
@@ -130,6 +131,7 @@ def synthetic_cell(
         "spec_hash": f"hash-{configuration}",
         "server": {
             "configuration": configuration,
+            "engine": "vllm",
             "session": f"session-{configuration}",
             "spec_hash": f"hash-{configuration}",
             "url": "http://127.0.0.1:1",

@@ -7,7 +7,7 @@ import os
 import pandas as pd
 import pytest
 
-from servegrid import aggregate, procs, records
+from servegrid import aggregate, engines, procs, records
 from servegrid.cell import run_cell
 
 pytestmark = pytest.mark.vllm
@@ -29,12 +29,14 @@ def measured(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def test_server_facts_are_recorded(vllm_server):
-    _, facts, _ = vllm_server
-    assert facts.engine_version == "0.32.0"
+    experiment, facts, _ = vllm_server
+    assert facts.engine == "vllm" and facts.engine_version == "0.32.0"
     assert facts.kv_cache_tokens and facts.kv_cache_tokens > 10_000
     assert facts.max_model_len == 8192
     assert 1 < facts.startup_s < 600
-    assert "--speculative-config" in facts.argv and "--enable-prefix-caching" in facts.argv
+    both = experiment.configuration("both")
+    flags = engines.get("vllm").feature_flags(both.prefix_caching, both.speculative)
+    assert len(flags) == 3 and set(flags) <= set(facts.argv)  # prefix caching on, and the speculative config
 
 
 def test_decode_is_token_exact_cold_and_speculative(vllm_server, tmp_path):

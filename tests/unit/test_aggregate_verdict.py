@@ -174,7 +174,7 @@ def test_expected_hit_rates_per_mode(demo_grid, tmp_path):
 def test_a_contradicting_hit_rate_invalidates_the_cell(tmp_path, monkeypatch, demo_raw, configuration, mode, hit_rate):
     monkeypatch.chdir(tmp_path)
     experiment = Experiment(demo_raw)
-    cell = experiment.cell(configuration, mode, experiment.mode_settings(mode)["contexts"][0], 1)
+    cell = experiment.cell(configuration, mode, experiment.workload(mode).contexts[0], 1)
     synthetic_cell(tmp_path / cell.path, configuration, mode, cell.context, 1, ttft_s=0.1, interval_s=0.01,
                    hit_rate=hit_rate)  # fmt: skip
     row = run_aggregate(experiment, [cell.path], tmp_path)["summary"].iloc[0]

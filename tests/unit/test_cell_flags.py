@@ -13,9 +13,10 @@ import sys
 import pandas as pd
 import pytest
 
-from servegrid import aggregate, procs
+from servegrid import aggregate, hostinfo, procs
 from servegrid.cell import run_cell
 from servegrid.config import Experiment
+from servegrid.errors import CellError, ServerError
 
 
 def calibration_experiment() -> Experiment:
@@ -23,7 +24,7 @@ def calibration_experiment() -> Experiment:
         {
             "experiment": {"title": "flags"},
             "model": {"path": "none", "served_name": "calibration"},
-            "engine": {"command": [sys.executable, "-m", "servegrid.calibration", "--model", "{model}"]},
+            "engine": {"command": [sys.executable, "-m", "servegrid.testing.calibration", "--model", "{model}"]},
             "configurations": {
                 "honest": {"label": "honest", "prefix_caching": True},
                 "misreports_tokens": {
@@ -101,8 +102,6 @@ def test_duration_limit_stops_sessions_from_starting_new_requests(sandbox):
 
 
 def test_a_cell_whose_every_request_failed_writes_nothing(sandbox):
-    from servegrid.cell import CellError
-
     experiment = calibration_experiment()
     (cell,) = [c for c in experiment.cells("fails") if c.mode == "decode"]
     with pytest.raises(CellError, match=r"all 4 measured requests failed; the first: HTTP 400"):
@@ -215,17 +214,15 @@ def test_client_and_server_cpus_confine_each_side(sandbox, tmp_path):
 
 
 def test_cpus_this_machine_lacks_are_named(sandbox):
-    from servegrid import server
-
     missing = max(os.sched_getaffinity(0)) + 1
-    with pytest.raises(server.ServerError, match=rf"operations.client_cpus: CPU\(s\) \[{missing}\]"):
-        server.check_cpus([missing], "operations.client_cpus")
+    with pytest.raises(ServerError, match=rf"operations.client_cpus: CPU\(s\) \[{missing}\]"):
+        hostinfo.check_cpus([missing], "operations.client_cpus")
     raw = calibration_experiment().raw
     raw["configurations"]["honest"]["cpus"] = [missing]
     experiment = Experiment(raw)
     cell = experiment.cells("honest")[0]
     sandbox.cpus = [missing]
-    with pytest.raises(server.ServerError, match=r"configurations.honest.cpus"):
+    with pytest.raises(ServerError, match=r"configurations.honest.cpus"):
         run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
 
 
@@ -243,19 +240,15 @@ def _fake_nvidia_smi(directory, monkeypatch, indices: list[int]) -> None:
 
 
 def test_gpus_the_host_lacks_are_named_before_any_server_starts(tmp_path, monkeypatch):
-    from servegrid import hostinfo, server
-
     _fake_nvidia_smi(tmp_path, monkeypatch, [0])
     assert hostinfo.gpu_indices() == [0]
     assert hostinfo.gpus([0]) == [{"index": "0", "name": "NVIDIA H200", "memory": "143771 MiB", "driver": "580.159.04"}]
-    server.check_gpus([0], "configurations.prefix_cache.gpus")
-    with pytest.raises(server.ServerError, match=r"configurations.mtp.gpus: GPU\(s\) \[1\] are not on this host"):
-        server.check_gpus([0, 1], "configurations.mtp.gpus")
+    hostinfo.check_gpus([0], "configurations.prefix_cache.gpus")
+    with pytest.raises(ServerError, match=r"configurations.mtp.gpus: GPU\(s\) \[1\] are not on this host"):
+        hostinfo.check_gpus([0, 1], "configurations.mtp.gpus")
 
 
 def test_without_nvidia_smi_gpus_are_not_checked(tmp_path, monkeypatch):
-    from servegrid import hostinfo, server
-
     monkeypatch.setenv("PATH", str(tmp_path))
     assert hostinfo.gpu_indices() is None
-    server.check_gpus([7], "configurations.any.gpus")
+    hostinfo.check_gpus([7], "configurations.any.gpus")

@@ -8,16 +8,16 @@ import gc
 import httpx
 import pytest
 
-from servegrid.calibration import Script
 from servegrid.client import (
-    CollectorPause,
-    RequestRecord,
     StartPacer,
     Streamer,
     decode_stream,
     sse_events,
     streaming_session,
 )
+from servegrid.client_monitor import CollectorPause
+from servegrid.request_record import RequestRecord
+from servegrid.testing.calibration import Script
 
 EVENTS = [b'data: {"a": 1}\n\n', b'data: {"b": 2}\r\n\r\n', b": keep-alive comment\n\n", b"data: [DONE]\n\n"]
 
@@ -179,7 +179,7 @@ def test_streams_leave_no_read_stamps_behind(calibration):
         async def three_streams() -> dict:
             async with streaming_session(8, 10) as session:
                 streamer = Streamer(session, srv.url)
-                await streamer.open_connections(3)
+                await streamer.open_connections(3, "/health")
                 payload = {"model": "m", "prompt": [1, 2], "max_tokens": 5}
                 await asyncio.gather(*(streamer.stream("/v1/completions", payload, r, decode=False) for r in records))
                 assert all(r.chunk_ns == [] for r in records)  # not decoded yet

@@ -11,13 +11,14 @@ from servegrid.config import ConfigError, Experiment
 def test_both_shipped_configs_are_valid(seed_raw, demo_raw):
     seed, demo = Experiment(seed_raw), Experiment(demo_raw)
     assert list(seed.configurations) == ["prefix_cache", "mtp"]
-    assert seed.configurations["mtp"]["speculative"] == {"method": "mtp", "num_speculative_tokens": 3}
-    assert seed.configurations["prefix_cache"]["prefix_caching"] is True
-    assert seed.configurations["mtp"]["prefix_caching"] is False
-    assert "--kv-cache-dtype" in seed.raw["engine"]["args"] and "262144" in seed.raw["engine"]["args"]
+    assert seed.configurations["mtp"].speculative == {"method": "mtp", "num_speculative_tokens": 3}
+    assert seed.configurations["prefix_cache"].prefix_caching is True
+    assert seed.configurations["mtp"].prefix_caching is False
+    assert "--kv-cache-dtype" in seed.engine.args and "262144" in seed.engine.args
+    assert seed.engine.kind == "vllm"
     assert seed.modes() == demo.modes() == ["decode", "single_turn", "multi_turn"]
-    assert demo.configurations["ngram"]["speculative"]["method"] == "ngram"
-    assert demo.raw["sampling"]["temperature"] == 0
+    assert demo.configurations["ngram"].speculative["method"] == "ngram"
+    assert demo.temperature == 0
     # 6 decode + 2x5 single-turn + 5x5 multi-turn, per configuration
     assert len(seed.cells()) == 2 * (6 + 10 + 25)
 
@@ -27,9 +28,9 @@ def test_defaults_are_filled(demo_raw):
     del raw["operations"]
     del raw["workloads"]["decode"]["output_tokens"]
     experiment = Experiment(raw)
-    assert experiment.operations["host"] == "127.0.0.1"
-    assert experiment.mode_settings("decode")["output_tokens"] == 512
-    assert experiment.configurations["prefix_cache"]["gpus"] == []
+    assert experiment.operations.host == "127.0.0.1"
+    assert experiment.workload("decode").settings["output_tokens"] == 512
+    assert experiment.configurations["prefix_cache"].gpus == ()
 
 
 @pytest.mark.parametrize(
@@ -62,7 +63,9 @@ def test_bad_configuration_name_is_rejected(demo_raw):
         Experiment(raw)
 
 
-@pytest.mark.parametrize("flag", ["--enable-prefix-caching", "--port", "--speculative-config={}", "--host"])
+@pytest.mark.parametrize(
+    "flag", ["--enable-prefix-caching", "--port", "--speculative-config={}", "--host", "--enable_prefix_caching"]
+)
 def test_flags_servegrid_owns_are_refused(demo_raw, flag):
     with pytest.raises(ConfigError, match=r"configurations\.ngram\.args: '--"):
         Experiment(with_changes(demo_raw, **{"configurations.ngram.args": [flag]}))
@@ -146,3 +149,22 @@ def test_report_languages_are_the_catalogues(demo_raw):
     with pytest.raises(ConfigError, match=r"report\.languages: no catalogue for de"):
         Experiment(with_changes(demo_raw, **{"report.languages": ["pt", "de"]}))
     assert Experiment(with_changes(demo_raw, **{"report.languages": ["hu"]})).languages == ["hu"]
+
+
+def test_unknown_engine_and_unknown_mode_fail_by_name(demo_raw):
+    with pytest.raises(ConfigError, match=r"engine\.kind: unknown engine 'sglang' \(known: .*vllm"):
+        Experiment(with_changes(demo_raw, **{"engine.kind": "sglang"}))
+    raw = with_changes(demo_raw)
+    raw["workloads"]["decode_short"] = {"contexts": [64], "concurrency": [1]}
+    with pytest.raises(ConfigError, match=r"workloads: .*'decode_short' was unexpected"):
+        Experiment(raw)
+    with pytest.raises(ConfigError, match=r"verdict\.classes\[0\]\.mode"):
+        Experiment(with_changes(demo_raw, **{"verdict.classes": [{"id": "x", "mode": "decode_short"}]}))
+
+
+def test_unknown_mode_is_an_error_everywhere_it_is_looked_up():
+    from servegrid import modes
+    from servegrid.errors import UnknownModeError
+
+    with pytest.raises(UnknownModeError, match="unknown workload mode 'decode_short'"):
+        modes.get("decode_short")

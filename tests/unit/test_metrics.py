@@ -1,17 +1,21 @@
-"""Prometheus parsing across vLLM metric-name generations."""
+"""Server metrics: vLLM's names across its generations (read by its engine), and the canonical deltas."""
 
 from __future__ import annotations
 
 import pytest
 
 from helpers import REPO
-from servegrid import metrics
+from servegrid import engines, metrics
 
 DATA = REPO / "tests" / "data"
 
 
+def parse(exposition: str, model_name: str) -> dict[str, float]:
+    return engines.get("vllm").parse_metrics(exposition, model_name)
+
+
 def test_current_names():
-    values = metrics.parse((DATA / "metrics_vllm_0_32.txt").read_text(), model_name="tiny")
+    values = parse((DATA / "metrics_vllm_0_32.txt").read_text(), model_name="tiny")
     assert values["prefix_cache_queries"] == 4352
     assert values["prefix_cache_hits"] == 4096
     assert values["kv_cache_usage_perc"] == 0.25
@@ -22,7 +26,7 @@ def test_current_names():
 
 
 def test_legacy_gpu_prefixed_names_sum_engines_and_filter_model():
-    values = metrics.parse((DATA / "metrics_vllm_legacy.txt").read_text(), model_name="big")
+    values = parse((DATA / "metrics_vllm_legacy.txt").read_text(), model_name="big")
     assert values["prefix_cache_queries"] == 2000
     assert values["prefix_cache_hits"] == 800
     assert values["kv_cache_usage_perc"] == 0.5
@@ -70,11 +74,11 @@ def test_derived_is_none_without_traffic():
 def test_calibration_server_speaks_both_generations(calibration):
     import httpx
 
-    from servegrid.calibration import Script
+    from servegrid.testing.calibration import Script
 
     for legacy in (False, True):
         with calibration(Script(legacy_metric_names=legacy)) as srv:
-            values = metrics.parse(httpx.get(f"{srv.url}/metrics").text, model_name="calibration")
+            values = parse(httpx.get(f"{srv.url}/metrics").text, model_name="calibration")
         assert set(values) >= {"prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc"}
 
 
@@ -98,7 +102,7 @@ vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} 60.0
 
 
 def test_server_timing_sums_engines_for_the_served_model_only():
-    values = metrics.parse(LATENCY_EXPOSITION, model_name="tiny")
+    values = parse(LATENCY_EXPOSITION, model_name="tiny")
     assert values["time_to_first_token_seconds_sum"] == 2.0  # both engines, not the other model
     assert values["time_to_first_token_seconds_count"] == 6
     assert not any(name.startswith("e2e_request_latency") for name in values)  # buckets and other histograms out
@@ -106,7 +110,7 @@ def test_server_timing_sums_engines_for_the_served_model_only():
 
 
 def test_server_timing_means_over_the_requests_between_two_scrapes():
-    before = metrics.parse(LATENCY_EXPOSITION, model_name="tiny")
+    before = parse(LATENCY_EXPOSITION, model_name="tiny")
     after = before | {"time_to_first_token_seconds_sum": 3.2, "time_to_first_token_seconds_count": 10.0}
     figures = metrics.derived(metrics.delta(before, after))
     assert figures["ttft_mean_s"] == pytest.approx(0.3)

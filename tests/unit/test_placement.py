@@ -24,10 +24,9 @@ from servegrid.records import METADATA_KEY
 def test_each_configuration_gets_its_own_gpus(seed_raw):
     seed = Experiment(seed_raw)
     for name, expected in (("prefix_cache", "0"), ("mtp", "1")):
-        spec = seed.launch_spec(name)
-        env = server.server_env(spec, seed.configurations[name]["gpus"])
+        runtime = server.Runtime.from_config(seed.operations, seed.configuration(name))
+        argv, env = server.launch_command(seed.launch_spec(name), runtime, 8100)
         assert env["CUDA_VISIBLE_DEVICES"] == expected
-        argv = server.server_argv(spec, "127.0.0.1", 8100)
         assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3.8-27B-FP8"]
         assert "CUDA_VISIBLE_DEVICES" not in " ".join(argv)
 
@@ -40,7 +39,7 @@ def placement_config() -> dict:
         "experiment": {"title": "placement"},
         "model": {"path": "none", "served_name": "calibration"},
         "engine": {
-            "command": [sys.executable, "-m", "servegrid.calibration", "--model", "{model}"],
+            "command": [sys.executable, "-m", "servegrid.testing.calibration", "--model", "{model}"],
             "args": ["--interval", "0.01"],
         },
         "configurations": {"on_gpu0": conf([0]), "on_gpu1": conf([1]), "also_gpu0": conf([0])},

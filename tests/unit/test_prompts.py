@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from servegrid.calibration import Vocabulary
 from servegrid.prompts import PromptBuilder
+from servegrid.testing.calibration import Vocabulary
 
 VOCAB = Vocabulary()
 

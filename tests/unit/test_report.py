@@ -10,8 +10,9 @@ from babel.messages.extract import extract_from_dir, extract_python
 from babel.messages.pofile import read_po
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
-from servegrid import catalogues, figures, report
+from servegrid import catalogues, figure_list, figures, modes, report
 from servegrid.catalogues import LOCALES
+from servegrid.errors import ConfigError
 from servegrid.report import TEMPLATES
 
 
@@ -75,7 +76,7 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
 
 def test_html_is_self_contained_with_every_figure(rendered):
     experiment, out = rendered
-    expected = len(figures.figure_specs(experiment))
+    expected = len(figure_list.figure_specs(experiment))
     assert expected == 7
     for html, _pdf in out.values():
         assert html.count('src="data:image/png;base64,') == expected
@@ -97,10 +98,13 @@ def test_catalogues_translate_every_template_message():
             str(TEMPLATES), method_map=[("**.j2", "jinja2")], options_map={"**.j2": {"extensions": "jinja2.ext.i18n"}}
         )
     }
-    with open(figures.__file__, "rb") as source:
-        extracted |= {
-            m[2] for m in extract_python(source, keywords={"_": None, "N_": None}, comment_tags=(), options={})
-        }
+    # Words in Python: the figures' own, and every mode's and run figure's (marked N_), as report/babel.cfg says.
+    sources = [Path(figures.__file__), Path(figure_list.__file__), *sorted(Path(modes.__file__).parent.glob("*.py"))]
+    for path in sources:
+        with path.open("rb") as source:
+            extracted |= {
+                m[2] for m in extract_python(source, keywords={"_": None, "N_": None}, comment_tags=(), options={})
+            }
     extracted.discard(None)  # _(variable): translated where the variable's message is marked
     assert len(extracted) > 40
     for lang in catalogues.available_languages():
@@ -116,5 +120,5 @@ def test_catalogues_translate_every_template_message():
 
 def test_languages_come_from_catalogues():
     assert catalogues.available_languages() == ["hu", "pt"]
-    with pytest.raises(FileNotFoundError, match="no catalogue for language 'de'"):
+    with pytest.raises(ConfigError, match="no catalogue for language 'de'"):
         catalogues.load_catalog("de")

@@ -5,18 +5,21 @@ The same guarantees are checked against real vLLM in tests/integration.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
 import pytest
 
 from helpers import fake_spec
-from servegrid import procs, server
+from servegrid import procs, server, state
+from servegrid.errors import ServerError
 
 
 def _group_alive(pgid: int) -> list[int]:
@@ -54,7 +57,7 @@ def test_changed_spec_replaces_the_server(sandbox):
 
 def test_a_server_that_exits_at_start_fails_within_seconds_with_its_log(sandbox):
     started = time.monotonic()
-    with pytest.raises(server.ServerError) as error:
+    with pytest.raises(ServerError) as error:
         server.ensure(fake_spec("fake", "--exit-at-start"), sandbox, owner=None)
     assert time.monotonic() - started < 10
     message = str(error.value)
@@ -65,17 +68,17 @@ def test_a_server_that_exits_at_start_fails_within_seconds_with_its_log(sandbox)
 
 def test_the_same_failure_is_not_retried_within_one_owner(sandbox):
     owner = procs.ProcessRef.of(os.getpid())
-    with pytest.raises(server.ServerError):
+    with pytest.raises(ServerError):
         server.ensure(fake_spec("fake", "--exit-at-start"), sandbox, owner=owner)
     started = time.monotonic()
-    with pytest.raises(server.ServerError, match="failed earlier in this run"):
+    with pytest.raises(ServerError, match="failed earlier in this run"):
         server.ensure(fake_spec("fake", "--exit-at-start"), sandbox, owner=owner)
     assert time.monotonic() - started < 1
 
 
 def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(sandbox):
     sandbox.startup_timeout_s = 3
-    with pytest.raises(server.ServerError, match=r"did not become healthy within 3 s") as error:
+    with pytest.raises(ServerError, match=r"did not become healthy within 3 s") as error:
         server.ensure(fake_spec("fake", "--never-healthy"), sandbox, owner=None)
     assert "CPU KV cache size" in str(error.value)
     pgid = _record(sandbox, "fake")["pgid"]
@@ -85,7 +88,7 @@ def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(sandbox):
 def test_an_unexecutable_command_fails_fast(sandbox):
     spec = fake_spec()
     spec["command"] = ["/nonexistent/vllm", "{model}"]
-    with pytest.raises(server.ServerError, match="exited during start-up"):
+    with pytest.raises(ServerError, match="exited during start-up"):
         server.ensure(spec, sandbox, owner=None)
 
 
@@ -97,7 +100,7 @@ def test_no_free_port_is_reported(sandbox):
         blocker.listen()
         port = blocker.getsockname()[1]
         sandbox.port_range = (port, port)
-        with pytest.raises(server.ServerError, match=f"no free port on 127.0.0.1 in operations.port_range {port}"):
+        with pytest.raises(ServerError, match=f"no free port on 127.0.0.1 in operations.port_range {port}"):
             server.ensure(fake_spec(), sandbox, owner=None)
 
 
@@ -158,19 +161,31 @@ def test_gpu_servers_on_disjoint_devices_coexist(sandbox):
     assert not _record(sandbox, "two")["alive"]
 
 
-def test_placement_and_secrets_in_the_launch_environment(monkeypatch):
-    spec = fake_spec()
-    assert "CUDA_VISIBLE_DEVICES" not in server.server_env(spec, [])
-    assert server.server_env(spec, [2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"
+def test_placement_and_secrets_in_the_launch_command(monkeypatch):
+    spec, runtime = fake_spec(), server.Runtime()
+    assert "CUDA_VISIBLE_DEVICES" not in server.launch_command(spec, runtime, 8000)[1]
+    runtime.gpus = [2, 3]
+    argv, env = server.launch_command(spec, runtime, 8000)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert argv[argv.index("--port") + 1] == "8000" and argv[argv.index("--served-model-name") + 1] == "fake"
     spec["api_key_env"] = "SERVEGRID_TEST_KEY"
-    with pytest.raises(server.ServerError, match="SERVEGRID_TEST_KEY"):
-        server.server_env(spec, [])
+    with pytest.raises(ServerError, match="SERVEGRID_TEST_KEY"):
+        server.launch_command(spec, runtime, 8000)
     monkeypatch.setenv("SERVEGRID_TEST_KEY", "s3cret")
-    env = server.server_env(spec, [])
-    assert env["VLLM_API_KEY"] == "s3cret"
-    assert server.public_env(spec, env)["VLLM_API_KEY"] == "***"
+    argv, env = server.launch_command(spec, runtime, 8000)
+    assert "s3cret" not in json.dumps([argv, env]) and "***" in env.values()
     assert server.auth_headers(spec) == {"Authorization": "Bearer s3cret"}
-    assert "s3cret" not in " ".join(server.server_argv(spec, "127.0.0.1", 8000))
+
+
+def test_the_api_key_reaches_the_server_alone(sandbox, monkeypatch):
+    monkeypatch.setenv("SERVEGRID_TEST_KEY", "s3cret")
+    spec = fake_spec()
+    spec["api_key_env"] = "SERVEGRID_TEST_KEY"
+    facts = server.ensure(spec, sandbox, owner=None)
+    launch_file = state.launch_path(sandbox, "fake")
+    assert "s3cret" in json.loads(launch_file.read_text())["env"].values()  # what the supervisor starts with
+    assert launch_file.stat().st_mode & 0o777 == 0o600
+    assert "s3cret" not in json.dumps(asdict(facts)) and "***" in facts.env.values()
 
 
 def test_supervisor_and_server_live_in_their_own_sessions(sandbox):

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-from servegrid import stats
 from servegrid.testing import benchmark_stats
 
 

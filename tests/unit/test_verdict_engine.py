@@ -11,7 +11,6 @@ from servegrid import verdict
 from servegrid.config import Experiment
 
 SEED = yaml.safe_load((REPO / "tests" / "data" / "seed-findings.yaml").read_text())
-LABELS = {"mtp": "MTP (3 draft tokens), no prefix caching", "prefix_cache": "prefix caching, no MTP"}
 ROLES = {"prefix_cache": "caching", "mtp": "speculative"}
 
 
@@ -22,9 +21,7 @@ def group(mode: str, context: int, concurrency: int, winner: str, factor: float,
         "context": context,
         "concurrency": concurrency,
         "winner": winner,
-        "winner_label": LABELS[winner],
         "runner_up": runner_up,
-        "runner_up_label": LABELS[runner_up],
         "factor": factor,
         "factor_ci_low": None,
         "factor_ci_high": None,
@@ -62,7 +59,7 @@ def seed_comparisons() -> pd.DataFrame:
 
 @pytest.fixture
 def rules(seed_raw) -> verdict.VerdictRules:
-    return verdict.VerdictRules.from_config(Experiment(seed_raw).raw["verdict"])
+    return Experiment(seed_raw).verdict
 
 
 def test_the_seed_figures_reproduce_the_seed_verdict(rules):
@@ -102,7 +99,7 @@ def test_near_ties_and_ci_ties_name_no_winner(rules):
 
 def test_rules_are_data(seed_raw):
     raw = with_changes(seed_raw, **{"verdict.classes": [{"id": "low", "max_concurrency": 8}, {"id": "high"}]})
-    rules = verdict.VerdictRules.from_config(Experiment(raw).raw["verdict"])
+    rules = Experiment(raw).verdict
     classes = verdict.classify(seed_comparisons(), rules, ROLES).set_index("class_id")
     assert classes.loc["low", "n_groups"] + classes.loc["high", "n_groups"] == len(seed_comparisons())
     assert classes.loc["high", "min_concurrency"] == 16

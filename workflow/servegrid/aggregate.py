@@ -188,7 +188,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     if row["sends_slipped"]:
         reasons.append(
             f"sends slipped: p99 {row['send_delay_s_p99'] * 1e3:.1f} ms after they were due "
-            f"(limit {validity['max_send_delay_s'] * 1e3:.1f} ms)"
+            f"(limit {validity.max_send_delay_s * 1e3:.1f} ms)"
         )
     if row["client_bottleneck"]:
         lag, cpu = row["client_loop_lag_p99_s"] or 0, row["client_cpu_fraction"] or 0

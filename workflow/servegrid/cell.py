@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -15,23 +14,17 @@ from typing import Any
 import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
-from servegrid import metrics, records, server
-from servegrid.client import ClientMonitor, CollectorPause, RequestRecord, Streamer, streaming_session
-from servegrid.config import Cell, Experiment
+from servegrid import engines, hostinfo, metrics, modes, procs, records, server
+from servegrid.client import Streamer, streaming_session
+from servegrid.client_monitor import ClientMonitor, CollectorPause
+from servegrid.config import Cell, Experiment, Operations
+from servegrid.engines import Engine
+from servegrid.errors import CellError
+from servegrid.modes import WorkloadContext
 from servegrid.prompts import PromptBuilder
-from servegrid.workloads import WORKLOADS, WorkloadContext
+from servegrid.request_record import RequestRecord
 
 log = logging.getLogger(__name__)
-
-
-class CellError(RuntimeError):
-    """The cell could not be measured; nothing was written."""
-
-
-def corpus_tokens_needed(settings: dict[str, Any]) -> int:
-    workload = settings["workload"]
-    longest = settings["context"] + workload.get("suffix_tokens", 0) + workload.get("tokens_per_turn", 0)
-    return min(max(longest + 512, 4096), 200_000)
 
 
 def run_loop(coroutine: Any) -> Any:
@@ -43,50 +36,48 @@ def run_loop(coroutine: Any) -> Any:
     return uvloop.run(coroutine)
 
 
-def reset_prefix_cache(client: httpx.Client, url: str) -> str:
-    """Empty the server's prefix cache if it lets us (vLLM with VLLM_SERVER_DEV_MODE=1).
+def _reset_prefix_cache(engine: Engine, client: httpx.Client, url: str) -> str:
+    """Empty the server's prefix cache if the engine lets us: the repeat's cache state.
 
     Either way every cell's prompts start with a fresh nonce, so no earlier cell
     can have left a reusable prefix; the reset also frees the blocks they occupy.
     """
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        response = client.post(f"{url}/reset_prefix_cache")
-        if response.status_code == 200 and response.json().get("success"):
-            return "reset"
-    return "fresh content"
+    return "reset" if engine.reset_prefix_cache(client, url) else "fresh content"
 
 
 async def measure(
-    settings: dict[str, Any], url: str, model: str, operations: dict[str, Any], headers: dict[str, str] | None = None
+    settings: dict[str, Any],
+    engine: Engine,
+    url: str,
+    model: str,
+    operations: Operations,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
-    """Run a cell's workload against the server at ``url``, ``repeats`` times, each from a clean
+    """Run a cell's workload against ``engine``'s server at ``url``, ``repeats`` times, each from a clean
     cache with fresh prompts. ``settings`` is :meth:`Experiment.cell_settings`' shape."""
     headers = headers or {}
+    mode = modes.get(settings["mode"])
     concurrency = settings["concurrency"]
-    timeout = httpx.Timeout(operations["request_timeout_s"], connect=30.0)
+    timeout = httpx.Timeout(operations.request_timeout_s, connect=30.0)
     all_records: list[RequestRecord] = []
     repeats: list[dict[str, Any]] = []
     with httpx.Client(timeout=120.0, headers=headers) as sync_client:
 
         def tokenize(text: str) -> list[int]:
-            response = sync_client.post(
-                f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False}
-            )
-            response.raise_for_status()
-            return list(response.json()["tokens"])
+            return engine.tokenize(sync_client, url, model, text)
 
-        corpus = PromptBuilder(tokenize, settings["workload"]["seed"], corpus_tokens_needed(settings))
-        # Control calls (/metrics, /reset_prefix_cache) go through httpx's API over aiohttp's transport;
+        corpus = PromptBuilder(tokenize, settings["workload"]["seed"], mode.corpus_tokens(settings))
+        # Control calls (metrics, cache resets) go through httpx's API over aiohttp's transport;
         # the measured streams through aiohttp itself, whose connections stamp every socket read
         # (servegrid.client; benchmarks/client_overhead.py measures what each path adds).
         async with (
             HttpxAiohttpClient(timeout=timeout, headers=headers) as client,
-            streaming_session(concurrency + 4, operations["request_timeout_s"], headers) as session,
+            streaming_session(concurrency + 4, operations.request_timeout_s, headers) as session,
         ):
-            sampler = metrics.GaugeSampler(client, url, model, operations["metrics_interval_s"])
+            sampler = metrics.GaugeSampler(client, url, engine, model, operations.metrics_interval_s)
             monitor, collector = ClientMonitor(), CollectorPause()
             for repeat in range(settings["workload"]["repeats"]):
-                cache_state = reset_prefix_cache(sync_client, url)
+                cache_state = _reset_prefix_cache(engine, sync_client, url)
                 ctx = WorkloadContext(
                     mode=settings["mode"],
                     context=settings["context"],
@@ -94,6 +85,7 @@ async def measure(
                     workload=settings["workload"],
                     temperature=settings["sampling"]["temperature"],
                     model=model,
+                    engine=engine,
                     streamer=Streamer(session, url),
                     builder=corpus.fresh(),
                     sync_client=sync_client,
@@ -102,8 +94,8 @@ async def measure(
                 state: dict[str, Any] = {}
 
                 async def begin_measurement(state: dict[str, Any] = state, streamer: Streamer = ctx.streamer) -> None:
-                    await streamer.open_connections(concurrency)
-                    state["before"] = await metrics.scrape(client, url, model)
+                    await streamer.open_connections(concurrency, engine.health_path)
+                    state["before"] = await metrics.scrape(client, url, engine, model)
                     state["t0_ns"] = time.monotonic_ns()
                     state["first_sample"] = sampler.count
                     sampler.start()
@@ -111,7 +103,7 @@ async def measure(
                     collector.start()
 
                 try:
-                    await WORKLOADS[settings["mode"]](ctx, begin_measurement)
+                    await mode.run(ctx, begin_measurement)
                 finally:
                     collector.stop()
                     await monitor.stop()
@@ -120,7 +112,7 @@ async def measure(
                 ctx.streamer.decode_pending()
                 if "t0_ns" not in state:
                     raise CellError("the workload ended before its measured phase began")
-                after = await metrics.scrape(client, url, model)
+                after = await metrics.scrape(client, url, engine, model)
                 for record in ctx.records:
                     record.repeat, record.t0_ns = repeat, state["t0_ns"]
                 all_records += ctx.records
@@ -158,17 +150,18 @@ def run_cell(
     experiment: Experiment,
     cell: Cell,
     out_path: Path | str,
-    owner: server.procs.ProcessRef | None,
+    owner: procs.ProcessRef | None,
     spec: dict[str, Any] | None = None,
     runtime: server.Runtime | None = None,
 ) -> dict[str, Any]:
     """Measure ``cell`` and write its file; returns the file's metadata."""
     spec = spec or experiment.launch_spec(cell.configuration)
+    engine = engines.get(spec["engine"])
     settings = experiment.cell_settings(cell)
-    configuration = experiment.configurations[cell.configuration]
+    configuration = experiment.configuration(cell.configuration)
     runtime = runtime or server.Runtime.from_config(experiment.operations, configuration)
-    client_cpus = experiment.operations["client_cpus"]
-    server.check_cpus(client_cpus, "operations.client_cpus")
+    client_cpus = list(experiment.operations.client_cpus)
+    hostinfo.check_cpus(client_cpus, "operations.client_cpus")
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
     with server.lease(cell.configuration, runtime):
         facts = server.ensure(spec, runtime, owner)
@@ -178,8 +171,9 @@ def run_cell(
             os.sched_setaffinity(0, client_cpus)
         log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
         try:
+            headers = server.auth_headers(spec)
             request_records, measured = run_loop(
-                measure(settings, facts.url, spec["served_name"], experiment.operations, server.auth_headers(spec))
+                measure(settings, engine, facts.url, spec["served_name"], experiment.operations, headers)
             )
         except httpx.HTTPError as exc:
             raise CellError(

@@ -7,9 +7,9 @@ Timing rules (all clocks are ``time.monotonic_ns``, system-wide on Linux):
   wakes up and before any decoding (:class:`StampingResponseHandler`);
 - each SSE event takes the stamp of the read that completed it; events are
   decoded after the stream ends (orjson), so decoding never delays a stamp;
-- a chunk's token count is the increase of ``usage.completion_tokens``
-  (``stream_options.continuous_usage_stats``), so a chunk that carries several
-  speculative tokens is counted as such, not as one.
+- a chunk's token count is the increase of ``usage.completion_tokens``, which
+  the engine's payloads (:mod:`servegrid.engines`) ask for in every chunk, so
+  a chunk that carries several speculative tokens is counted as such, not as one.
 
 Stamping at the read rather than where a consumer task resumes is what keeps
 stamps honest when many streams burst at once: the loop runs every socket's
@@ -23,22 +23,18 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
-import contextlib
 import functools
-import gc
 import json
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
-import psutil
 from aiohttp.client_proto import ResponseHandler
 
-from servegrid import stats
+from servegrid.request_record import RequestRecord
 
 # Events end at a blank line; vLLM sends "\n\n", other servers may send "\r\n\r\n".
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
@@ -104,45 +100,7 @@ def streaming_session(
     )
 
 
-@dataclass
-class RequestRecord:
-    """One request as the client saw it. Times are monotonic nanoseconds."""
-
-    request_id: str
-    session: int
-    seq: int
-    phase: str  # "warmup", "probe" or "measured"
-    turn: int
-    prompt_tokens_requested: int
-    output_tokens_requested: int
-    intended_send_ns: int = 0
-    sent_ns: int = 0
-    end_ns: int | None = None
-    chunk_ns: list[int] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
-    # Calibration server only: when each chunk was written, on the same clock.
-    chunk_server_ns: list[int] = field(default_factory=list)
-    prompt_tokens_reported: int | None = None
-    output_tokens_reported: int | None = None
-    http_status: int | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    text: str = ""
-    messages: list[dict[str, str]] | None = None  # chat requests: what was sent
-    repeat: int = 0  # which repeat of the cell's workload
-    t0_ns: int = 0  # start of that repeat's measured phase
-
-    @property
-    def first_token_ns(self) -> int | None:
-        return self.chunk_ns[0] if self.chunk_ns else None
-
-
 _JSON = {"Content-Type": "application/json"}
-
-
-def streaming_body(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` asking to stream, with usage in every chunk (what the token counts come from)."""
-    return {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 class StartPacer:
@@ -208,7 +166,8 @@ class Streamer:
         self._pending: list[tuple[bytes, list[tuple[int, int]], RequestRecord]] = []
 
     async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord, decode: bool = True) -> None:
-        body = orjson.dumps(streaming_body(payload))
+        """POST ``payload`` (a complete streaming request, as the engine builds it) to ``path``."""
+        body = orjson.dumps(payload)
         await self.pacer.turn()
         record.sent_ns = time.monotonic_ns()
         try:
@@ -230,8 +189,9 @@ class Streamer:
         else:
             self._pending.append((raw, reads, record))
 
-    async def open_connections(self, count: int) -> None:
-        """Fill the keep-alive pool with ``count`` connections (``GET /health`` on each).
+    async def open_connections(self, count: int, path: str) -> None:
+        """Fill the keep-alive pool with ``count`` connections (``GET path`` on each: a cheap endpoint,
+        the engine's health check).
 
         Run before a measured phase so its sessions do not all connect at once:
         hundreds of connects completing together would send their requests in one
@@ -239,7 +199,7 @@ class Streamer:
         """
 
         async def health() -> None:
-            async with self.session.get(self.base_url + "/health") as response:
+            async with self.session.get(self.base_url + path) as response:
                 await response.read()
                 self.reads.pop(response.content, None)
 
@@ -259,7 +219,7 @@ def _decode_into(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord
     except orjson.JSONDecodeError as exc:
         record.error = f"malformed SSE payload: {exc}"
     if record.error is None and record.output_tokens_reported is None:
-        record.error = "stream ended without usage (the server must honour stream_options.continuous_usage_stats)"
+        record.error = "stream ended without usage (the server must report usage in every chunk)"
 
 
 def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
@@ -296,79 +256,3 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
             if "servegrid_sent_ns" in event:
                 record.chunk_server_ns.append(event["servegrid_sent_ns"])
     record.text = "".join(text_parts)
-
-
-class CollectorPause:
-    """Python's cyclic garbage collector off while streams are timed.
-
-    A full collection over a cell's records held the loop for up to 78 ms
-    (servegrid's client against 256 calibration streams), and every read that arrived
-    meanwhile was stamped that late. Reference counting still frees nearly
-    everything at once; what is left in cycles is collected when timing stops.
-    """
-
-    def __init__(self) -> None:
-        self._was_enabled = False
-
-    def start(self) -> None:
-        self._was_enabled = self._was_enabled or gc.isenabled()
-        gc.disable()
-
-    def stop(self) -> None:
-        if self._was_enabled:
-            gc.enable()
-            gc.collect()
-        self._was_enabled = False
-
-
-class ClientMonitor:
-    """Watches the client itself while a cell measures: event-loop lag and CPU.
-
-    Every ``interval_s`` a task asks to sleep and records how late it woke up;
-    a loop that is busy parsing (or blocked) wakes late, and then chunk
-    timestamps are late by about as much. CPU is this process's user + system
-    time over the wall time of the measured phases, as a fraction of one core.
-    It can be started and stopped again (once per repeat); figures accumulate.
-    """
-
-    def __init__(self, interval_s: float = 0.01) -> None:
-        self.interval_s = interval_s
-        self.lags: list[float] = []
-        self._task: asyncio.Task | None = None
-        self._cpu_start = self._wall_start = 0.0
-        self._cpu_total = self._wall_total = 0.0
-
-    async def _watch(self) -> None:
-        while True:
-            started = time.monotonic()
-            await asyncio.sleep(self.interval_s)
-            self.lags.append(max(0.0, time.monotonic() - started - self.interval_s))
-
-    @staticmethod
-    def _cpu() -> float:
-        times = psutil.Process().cpu_times()
-        return times.user + times.system
-
-    def start(self) -> None:
-        self._cpu_start, self._wall_start = self._cpu(), time.monotonic()
-        self._task = asyncio.get_running_loop().create_task(self._watch())
-
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._task = None
-        self._cpu_total += self._cpu() - self._cpu_start
-        self._wall_total += time.monotonic() - self._wall_start
-
-    def summary(self) -> dict[str, float | int | None]:
-        lags = stats.percentiles(self.lags, (50, 99))
-        return {
-            "loop_lag_samples": len(self.lags),
-            "loop_lag_p50_s": lags["p50"],
-            "loop_lag_p99_s": lags["p99"],
-            "loop_lag_max_s": max(self.lags) if self.lags else None,
-            "cpu_fraction": self._cpu_total / self._wall_total if self._wall_total > 0 else None,
-        }

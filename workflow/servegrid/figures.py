@@ -190,10 +190,10 @@ class Painter:
     def ratio_heatmap(self) -> plt.Figure:
         """Per mode: how many times the winner beat the runner-up, over context × concurrency."""
         comparisons = self.comparisons
-        modes = [m for m in self.experiment.modes() if len(comparisons) and (comparisons["mode"] == m).any()]
-        fig, axes = self._panels(max(1, len(modes)), height=3.4)
+        compared = [m for m in self.experiment.modes() if len(comparisons) and (comparisons["mode"] == m).any()]
+        fig, axes = self._panels(max(1, len(compared)), height=3.4)
         caching = {n for n, r in self.roles.items() if r == "caching"}
-        for ax, mode in zip(axes, modes or [None], strict=False):
+        for ax, mode in zip(axes, compared or [None], strict=False):
             if mode is None:
                 ax.axis("off")
                 continue

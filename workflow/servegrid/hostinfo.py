@@ -7,6 +7,7 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -72,7 +73,7 @@ def describe(gpu_indices: list[int]) -> dict[str, Any]:
     }
 
 
-def check_cpus(cpus: list[int], key: str) -> None:
+def check_cpus(cpus: Sequence[int], key: str) -> None:
     """Fail, naming ``key``, when ``cpus`` asks for cores this process may not use."""
     allowed = os.sched_getaffinity(0)
     missing = sorted(set(cpus) - allowed)
@@ -80,7 +81,7 @@ def check_cpus(cpus: list[int], key: str) -> None:
         raise ServerError(f"{key}: CPU(s) {missing} are not available here (this process may use {sorted(allowed)})")
 
 
-def check_gpus(gpus: list[int], key: str) -> None:
+def check_gpus(gpus: Sequence[int], key: str) -> None:
     """Fail, naming ``key``, when ``gpus`` asks for GPUs nvidia-smi does not list.
 
     A 27B model takes minutes to load before the engine finds its GPU missing; this takes a second.

@@ -1,10 +1,9 @@
-"""vLLM's Prometheus metrics: scrape, normalise names across versions, diff.
+"""A server's own metrics, under servegrid's canonical names: scrape, diff, derive.
 
-Names changed across vLLM releases (``vllm:gpu_prefix_cache_hits`` became
-``vllm:prefix_cache_hits``; ``gpu_cache_usage_perc`` became
-``kv_cache_usage_perc``; counters gained ``_total`` in the exposition). Every
-sample is reduced to a canonical name and summed over engines and other
-labels, keeping only the served model's series when the server labels them.
+Each engine names its metrics its own way; :meth:`Engine.parse_metrics
+<servegrid.engines.base.Engine.parse_metrics>` reduces a scrape to the
+canonical names below, summed over label sets. Everything here works on those
+names only.
 """
 
 from __future__ import annotations
@@ -14,10 +13,12 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from servegrid.engines import Engine
 
 COUNTERS = (
     "prefix_cache_queries",
@@ -36,48 +37,6 @@ COUNTERS = (
 )
 GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_waiting_capacity")
 
-_ALIASES = {
-    "gpu_prefix_cache_queries": "prefix_cache_queries",
-    "gpu_prefix_cache_hits": "prefix_cache_hits",
-    "gpu_cache_usage_perc": "kv_cache_usage_perc",
-    "cpu_cache_usage_perc": "kv_cache_usage_perc",
-}
-
-
-def canonical_name(sample_name: str) -> str:
-    name = sample_name.removeprefix("vllm:")
-    if name.endswith("_created"):  # creation timestamps, never values
-        return ""
-    name = name.removesuffix("_total")
-    return _ALIASES.get(name, name)
-
-
-def parse(exposition: str, model_name: str | None = None) -> dict[str, float]:
-    """Canonical metric name → value, summed over label sets."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            name = canonical_name(sample.name)
-            labels = sample.labels
-            if name == "num_requests_waiting_by_reason":
-                # vLLM >= 0.11 splits waiting requests by reason; "capacity" is the scheduler's queue.
-                name = f"num_requests_waiting_{labels.get('reason', '')}"
-            if name not in COUNTERS and name not in GAUGES:
-                continue
-            if model_name and "model_name" in labels and labels["model_name"] != model_name:
-                continue
-            values[name] = values.get(name, 0.0) + float(sample.value)
-    return values
-
-
-def cache_config(exposition: str) -> dict[str, str]:
-    """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...), or {} if absent."""
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            if sample.name.removeprefix("vllm:") == "cache_config_info":
-                return dict(sample.labels)
-    return {}
-
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """Counter increase over a cell; None where the server does not expose the counter."""
@@ -93,7 +52,7 @@ def sum_deltas(deltas: list[dict[str, float | None]]) -> dict[str, float | None]
     return out
 
 
-# A latency figure → the vLLM histogram in which the server times it itself.
+# A latency figure → the canonical histogram in which the server times it itself.
 SERVER_TIMING = {"ttft": "time_to_first_token_seconds", "tpot": "request_time_per_output_token_seconds"}
 
 
@@ -119,28 +78,31 @@ def derived(counter_delta: dict[str, float | None]) -> dict[str, float | None]:
     }
 
 
-async def fetch(client: httpx.AsyncClient, url: str) -> str:
-    response = await client.get(f"{url}/metrics")
+async def fetch(client: httpx.AsyncClient, url: str, engine: Engine) -> str:
+    """The engine's metrics page, as text."""
+    response = await client.get(f"{url}{engine.metrics_path}")
     response.raise_for_status()
     return response.text
 
 
-async def scrape(client: httpx.AsyncClient, url: str, model_name: str | None) -> dict[str, float]:
-    return parse(await fetch(client, url), model_name)
+async def scrape(client: httpx.AsyncClient, url: str, engine: Engine, model_name: str | None) -> dict[str, float]:
+    """Canonical metric name → value, now."""
+    return engine.parse_metrics(await fetch(client, url, engine), model_name)
 
 
 @dataclass
 class GaugeSampler:
     """Samples the gauges every ``interval_s`` while a cell runs.
 
-    While requests are in flight it only fetches the text: parsing vLLM's
-    exposition (about 50 kB, 12 ms in prometheus_client's parser) would hold
-    the event loop and make the chunk timestamps late, so ``samples`` parses
-    afterwards, once per sample.
+    While requests are in flight it only fetches the text: parsing an engine's
+    exposition (vLLM's: about 50 kB, 12 ms in prometheus_client's parser) would
+    hold the event loop and make the chunk timestamps late, so ``samples``
+    parses afterwards, once per sample.
     """
 
     client: httpx.AsyncClient
     url: str
+    engine: Engine
     model_name: str | None
     interval_s: float
     errors: int = 0
@@ -152,7 +114,7 @@ class GaugeSampler:
         while True:
             started = time.monotonic()
             try:
-                text = await fetch(self.client, self.url)
+                text = await fetch(self.client, self.url, self.engine)
                 self._raw.append((time.monotonic(), text))
             except httpx.HTTPError:
                 self.errors += 1
@@ -165,7 +127,7 @@ class GaugeSampler:
     def samples(self, first: int = 0) -> list[dict[str, float]]:
         """The gauges of every sample from the ``first`` on, each with its time ``t``."""
         for t, text in self._raw[len(self._parsed) :]:
-            values = parse(text, self.model_name)
+            values = self.engine.parse_metrics(text, self.model_name)
             self._parsed.append({"t": t, **{g: values.get(g, float("nan")) for g in GAUGES}})
         return self._parsed[first:]
 

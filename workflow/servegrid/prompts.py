@@ -1,9 +1,10 @@
 """Prompts of exact token lengths, built with the server's own tokenizer.
 
-Text comes from :mod:`servegrid.text`; it is tokenized once per cell through
-the server's ``/tokenize`` endpoint, and prompts are sent as token-id lists,
-so the server receives exactly the number of tokens asked for (and reports it
-back in ``usage.prompt_tokens``, which the cell checks).
+Text comes from :mod:`servegrid.text`; it is tokenized once per cell by the
+server itself (:meth:`Engine.tokenize <servegrid.engines.base.Engine.tokenize>`),
+and prompts are sent as token-id lists, so the server receives exactly the
+number of tokens asked for (and reports it back in ``usage.prompt_tokens``,
+which the cell checks).
 
 Every prompt that must be cold starts with a marker that contains a nonce
 drawn for this cell run, so neither an earlier cell nor an earlier run can

@@ -41,7 +41,7 @@ CELL_SCHEMA = pa.schema(
         _field("chunk_tokens", pa.list_(pa.int32()), "tokens in each chunk (increase of usage.completion_tokens)"),
         _field("prompt_tokens_requested", pa.int32(), "prompt length servegrid built (server tokenizer)"),
         _field("prompt_tokens_reported", pa.int32(), "usage.prompt_tokens from the server"),
-        _field("output_tokens_requested", pa.int32(), "max_tokens = min_tokens, ignore_eos"),
+        _field("output_tokens_requested", pa.int32(), "exact output tokens asked for (end of sequence ignored)"),
         _field("output_tokens_reported", pa.int32(), "usage.completion_tokens from the server"),
         _field("http_status", pa.int32(), "HTTP status of the response"),
         _field("finish_reason", pa.string(), "the server's finish_reason"),

@@ -1,7 +1,7 @@
 """Bring inference servers up, reuse them across cells, and take them down.
 
-(About 400 lines: bring-up, reuse and teardown are one protocol under one lock,
-and each step stops or replaces servers the others start.)
+It runs over 300 lines: bring-up, reuse and teardown are one protocol under
+one lock, and each step stops or replaces servers that the others start.
 
 A cell job calls :func:`ensure` with its configuration's launch spec. If a
 healthy server with the same spec is already up it is reused; otherwise any
@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from servegrid import atomic, engines, hostinfo, paths, procs, state
-from servegrid.config import spec_hash
+from servegrid.config import Configuration, Operations, spec_hash
 from servegrid.engines import Engine
 from servegrid.errors import ServerError
 from servegrid.state import lease
@@ -58,16 +58,15 @@ class Runtime:
     cwd: str = "."
 
     @classmethod
-    def from_config(cls, operations: dict[str, Any], configuration: dict[str, Any] | None = None) -> Runtime:
+    def from_config(cls, operations: Operations, configuration: Configuration | None = None) -> Runtime:
         """The runtime for one configuration (its GPUs and CPUs), or for none: state, ports and timeouts only."""
-        placement = configuration or {}
         return cls(
-            host=operations["host"],
-            port_range=tuple(operations["port_range"]),  # type: ignore[arg-type]
-            startup_timeout_s=operations["startup_timeout_s"],
-            shutdown_timeout_s=operations["shutdown_timeout_s"],
-            gpus=list(placement.get("gpus") or []),
-            cpus=list(placement.get("cpus") or []),
+            host=operations.host,
+            port_range=(operations.port_range[0], operations.port_range[1]),
+            startup_timeout_s=operations.startup_timeout_s,
+            shutdown_timeout_s=operations.shutdown_timeout_s,
+            gpus=list(configuration.gpus) if configuration else [],
+            cpus=list(configuration.cpus) if configuration else [],
         )
 
 

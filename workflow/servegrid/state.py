@@ -23,35 +23,40 @@ import fcntl
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from servegrid import procs
 
-if TYPE_CHECKING:
-    from servegrid.server import Runtime
+
+class HasStateDir(Protocol):
+    """Says where the state lives: :class:`servegrid.server.Runtime`, typed here structurally
+    because that module imports this one."""
+
+    state_dir: str
+
 
 _NOT_RECORDS = (".facts.json", ".failed.json", ".launch.json")
 
 
-def directory(runtime: Runtime) -> Path:
+def directory(runtime: HasStateDir) -> Path:
     path = Path(runtime.state_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def record_path(runtime: Runtime, configuration: str) -> Path:
+def record_path(runtime: HasStateDir, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.json"
 
 
-def facts_path(runtime: Runtime, configuration: str) -> Path:
+def facts_path(runtime: HasStateDir, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.facts.json"
 
 
-def failure_path(runtime: Runtime, configuration: str) -> Path:
+def failure_path(runtime: HasStateDir, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.failed.json"
 
 
-def launch_path(runtime: Runtime, configuration: str) -> Path:
+def launch_path(runtime: HasStateDir, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.launch.json"
 
 
@@ -64,7 +69,7 @@ def read(path: Path) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def locked(runtime: Runtime) -> Iterator[None]:
+def locked(runtime: HasStateDir) -> Iterator[None]:
     """One process at a time decides which servers run."""
     with open(directory(runtime) / "lock", "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -75,7 +80,7 @@ def locked(runtime: Runtime) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def lease(configuration: str, runtime: Runtime) -> Iterator[None]:
+def lease(configuration: str, runtime: HasStateDir) -> Iterator[None]:
     """Held by a cell while it uses its configuration's server: one cell per server at a time,
     and no other configuration may stop the server under it."""
     with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
@@ -87,7 +92,7 @@ def lease(configuration: str, runtime: Runtime) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
+def try_lease(runtime: HasStateDir, configuration: str) -> Iterator[bool]:
     """The lease of ``configuration`` if no cell holds it now (True), else False at once."""
     with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
         try:
@@ -101,7 +106,7 @@ def try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def records(runtime: Runtime) -> dict[str, dict[str, Any]]:
+def records(runtime: HasStateDir) -> dict[str, dict[str, Any]]:
     """Every server record, by configuration."""
     out = {}
     for path in sorted(directory(runtime).glob("*.json")):
