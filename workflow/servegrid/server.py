@@ -28,71 +28,22 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from servegrid import atomic, engines, hostinfo, paths, procs, state
-from servegrid.config import Configuration, Operations, spec_hash
+from servegrid.config import spec_hash
 from servegrid.engines import Engine
 from servegrid.errors import ServerError
-from servegrid.state import lease
+from servegrid.state import Runtime, ServerFacts, lease
+
+__all__ = ["OWNER_ENV", "Runtime", "ServerFacts", "ensure", "launch_command", "lease", "status", "stop", "stop_all"]
 
 OWNER_ENV = "SERVEGRID_OWNER_PID"
 LOG_TAIL_LINES = 40
-
-
-@dataclass
-class Runtime:
-    """Operational settings: how to run a server, never what it is."""
-
-    host: str = "127.0.0.1"
-    port_range: tuple[int, int] = (8100, 8199)
-    startup_timeout_s: float = 1800.0
-    shutdown_timeout_s: float = 30.0
-    gpus: list[int] = field(default_factory=list)
-    cpus: list[int] = field(default_factory=list)
-    state_dir: str = paths.STATE_DIR
-    cwd: str = "."
-
-    @classmethod
-    def from_config(cls, operations: Operations, configuration: Configuration | None = None) -> Runtime:
-        """The runtime for one configuration (its GPUs and CPUs), or for none: state, ports and timeouts only."""
-        return cls(
-            host=operations.host,
-            port_range=(operations.port_range[0], operations.port_range[1]),
-            startup_timeout_s=operations.startup_timeout_s,
-            shutdown_timeout_s=operations.shutdown_timeout_s,
-            gpus=list(configuration.gpus) if configuration else [],
-            cpus=list(configuration.cpus) if configuration else [],
-        )
-
-
-@dataclass
-class ServerFacts:
-    """What the report states about a server session."""
-
-    configuration: str
-    engine: str  # the engine's kind (engine.kind in the config)
-    session: str
-    spec_hash: str
-    url: str
-    argv: list[str]
-    env: dict[str, str]  # secrets masked
-    gpus: list[int]
-    log_path: str
-    engine_version: str | None
-    kv_cache_tokens: int | None
-    max_concurrency: float | None
-    max_model_len: int | None
-    startup_s: float
-    warmup_s: float
-    started_at: str
-    host: dict[str, Any]
-    block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
-    cpus: list[int] = field(default_factory=list)  # cores the server was confined to; empty: all
 
 
 def owner_from_env() -> procs.ProcessRef | None:

@@ -12,6 +12,8 @@ Per configuration it holds:
 - ``<configuration>.lease``: the lock a cell holds while it uses the server;
 
 plus one ``lock`` that serialises every decision about which servers run.
+:class:`Runtime` says where that state lives and how servers are run;
+:class:`ServerFacts` is what a facts file holds.
 None of it is ever a Snakemake input, so a server's presence or absence never
 makes a cell stale.
 """
@@ -22,41 +24,87 @@ import contextlib
 import fcntl
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from servegrid import procs
+from servegrid import paths, procs
+from servegrid.sections import Configuration, Operations
 
 
-class HasStateDir(Protocol):
-    """Says where the state lives: :class:`servegrid.server.Runtime`, typed here structurally
-    because that module imports this one."""
+@dataclass
+class Runtime:
+    """Operational settings: how to run a server, never what it is."""
 
-    state_dir: str
+    host: str = "127.0.0.1"
+    port_range: tuple[int, int] = (8100, 8199)
+    startup_timeout_s: float = 1800.0
+    shutdown_timeout_s: float = 30.0
+    gpus: list[int] = field(default_factory=list)
+    cpus: list[int] = field(default_factory=list)
+    state_dir: str = paths.STATE_DIR
+    cwd: str = "."
+
+    @classmethod
+    def from_config(cls, operations: Operations, configuration: Configuration | None = None) -> Runtime:
+        """The runtime for one configuration (its GPUs and CPUs), or for none: state, ports and timeouts only."""
+        return cls(
+            host=operations.host,
+            port_range=(operations.port_range[0], operations.port_range[1]),
+            startup_timeout_s=operations.startup_timeout_s,
+            shutdown_timeout_s=operations.shutdown_timeout_s,
+            gpus=list(configuration.gpus) if configuration else [],
+            cpus=list(configuration.cpus) if configuration else [],
+        )
+
+
+@dataclass
+class ServerFacts:
+    """What the report states about a server session."""
+
+    configuration: str
+    engine: str  # the engine's kind (engine.kind in the config)
+    session: str
+    spec_hash: str
+    url: str
+    argv: list[str]
+    env: dict[str, str]  # secrets masked
+    gpus: list[int]
+    log_path: str
+    engine_version: str | None
+    kv_cache_tokens: int | None
+    max_concurrency: float | None
+    max_model_len: int | None
+    startup_s: float
+    warmup_s: float
+    started_at: str
+    host: dict[str, Any]
+    block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
+    cpus: list[int] = field(default_factory=list)  # cores the server was confined to; empty: all
 
 
 _NOT_RECORDS = (".facts.json", ".failed.json", ".launch.json")
 
 
-def directory(runtime: HasStateDir) -> Path:
+def directory(runtime: Runtime) -> Path:
     path = Path(runtime.state_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def record_path(runtime: HasStateDir, configuration: str) -> Path:
+def record_path(runtime: Runtime, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.json"
 
 
-def facts_path(runtime: HasStateDir, configuration: str) -> Path:
+def facts_path(runtime: Runtime, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.facts.json"
 
 
-def failure_path(runtime: HasStateDir, configuration: str) -> Path:
+def failure_path(runtime: Runtime, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.failed.json"
 
 
-def launch_path(runtime: HasStateDir, configuration: str) -> Path:
+def launch_path(runtime: Runtime, configuration: str) -> Path:
     return directory(runtime) / f"{configuration}.launch.json"
 
 
@@ -69,7 +117,7 @@ def read(path: Path) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def locked(runtime: HasStateDir) -> Iterator[None]:
+def locked(runtime: Runtime) -> Iterator[None]:
     """One process at a time decides which servers run."""
     with open(directory(runtime) / "lock", "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -80,7 +128,7 @@ def locked(runtime: HasStateDir) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def lease(configuration: str, runtime: HasStateDir) -> Iterator[None]:
+def lease(configuration: str, runtime: Runtime) -> Iterator[None]:
     """Held by a cell while it uses its configuration's server: one cell per server at a time,
     and no other configuration may stop the server under it."""
     with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
@@ -92,7 +140,7 @@ def lease(configuration: str, runtime: HasStateDir) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def try_lease(runtime: HasStateDir, configuration: str) -> Iterator[bool]:
+def try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
     """The lease of ``configuration`` if no cell holds it now (True), else False at once."""
     with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
         try:
@@ -106,7 +154,7 @@ def try_lease(runtime: HasStateDir, configuration: str) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def records(runtime: HasStateDir) -> dict[str, dict[str, Any]]:
+def records(runtime: Runtime) -> dict[str, dict[str, Any]]:
     """Every server record, by configuration."""
     out = {}
     for path in sorted(directory(runtime).glob("*.json")):
