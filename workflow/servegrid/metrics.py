@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from servegrid.engines import Engine
@@ -36,6 +38,21 @@ COUNTERS = (
     "request_time_per_output_token_seconds_count",
 )
 GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_waiting_capacity")
+
+
+def canonical_values(exposition: str, canonical: Callable[[str, Mapping[str, str]], str | None]) -> dict[str, float]:
+    """An exposition reduced to servegrid's counters and gauges, summed over label sets.
+
+    ``canonical(sample name, labels)`` is the engine's mapping: servegrid's name for
+    that sample, or None to skip it (another model's series, a name servegrid does not read).
+    """
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            name = canonical(sample.name, sample.labels)
+            if name in COUNTERS or name in GAUGES:
+                values[name] = values.get(name, 0.0) + float(sample.value)
+    return values
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

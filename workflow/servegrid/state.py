@@ -117,9 +117,8 @@ def read(path: Path) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def locked(runtime: Runtime) -> Iterator[None]:
-    """One process at a time decides which servers run."""
-    with open(directory(runtime) / "lock", "a+") as handle:
+def _exclusive(path: Path) -> Iterator[None]:
+    with open(path, "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -127,16 +126,15 @@ def locked(runtime: Runtime) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-@contextlib.contextmanager
-def lease(configuration: str, runtime: Runtime) -> Iterator[None]:
+def locked(runtime: Runtime) -> contextlib.AbstractContextManager[None]:
+    """One process at a time decides which servers run."""
+    return _exclusive(directory(runtime) / "lock")
+
+
+def lease(configuration: str, runtime: Runtime) -> contextlib.AbstractContextManager[None]:
     """Held by a cell while it uses its configuration's server: one cell per server at a time,
     and no other configuration may stop the server under it."""
-    with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return _exclusive(directory(runtime) / f"{configuration}.lease")
 
 
 @contextlib.contextmanager

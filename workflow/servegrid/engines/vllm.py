@@ -70,10 +70,19 @@ def cache_config(exposition: str) -> dict[str, str]:
     return {}
 
 
-def _streaming(payload: dict[str, Any]) -> dict[str, Any]:
-    # Usage in every chunk: a chunk's token count is the increase of completion_tokens, so a chunk
-    # that carries several speculative tokens counts for all of them.
-    return {**payload, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+def _exact_stream(payload: dict[str, Any], output_tokens: int, temperature: float) -> dict[str, Any]:
+    """``payload`` asking for exactly ``output_tokens`` tokens, streamed with usage in every chunk: a
+    chunk's token count is the increase of completion_tokens, so a chunk that carries several
+    speculative tokens counts for all of them."""
+    return {
+        **payload,
+        "max_tokens": output_tokens,
+        "min_tokens": output_tokens,
+        "ignore_eos": True,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
 
 
 class VLLMEngine:
@@ -202,44 +211,22 @@ class VLLMEngine:
     def completion_payload(
         self, model: str, prompt: Sequence[int], output_tokens: int, temperature: float
     ) -> dict[str, Any]:
-        return _streaming(
-            {
-                "model": model,
-                "prompt": list(prompt),
-                "max_tokens": output_tokens,
-                "min_tokens": output_tokens,
-                "ignore_eos": True,
-                "temperature": temperature,
-            }
-        )
+        return _exact_stream({"model": model, "prompt": list(prompt)}, output_tokens, temperature)
 
     def chat_payload(
         self, model: str, messages: Sequence[Mapping[str, str]], output_tokens: int, temperature: float
     ) -> dict[str, Any]:
-        return _streaming(
-            {
-                "model": model,
-                "messages": list(messages),
-                "max_tokens": output_tokens,
-                "min_tokens": output_tokens,
-                "ignore_eos": True,
-                "temperature": temperature,
-            }
-        )
+        return _exact_stream({"model": model, "messages": list(messages)}, output_tokens, temperature)
 
     # ---- metrics ---------------------------------------------------------------------------
     def parse_metrics(self, exposition: str, model: str | None) -> dict[str, float]:
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(exposition):
-            for sample in family.samples:
-                name = canonical_name(sample.name)
-                labels = sample.labels
-                if name == "num_requests_waiting_by_reason":
-                    # vLLM >= 0.11 splits waiting requests by reason; "capacity" is the scheduler's queue.
-                    name = f"num_requests_waiting_{labels.get('reason', '')}"
-                if name not in metrics.COUNTERS and name not in metrics.GAUGES:
-                    continue
-                if model and "model_name" in labels and labels["model_name"] != model:
-                    continue
-                values[name] = values.get(name, 0.0) + float(sample.value)
-        return values
+        def canonical(sample_name: str, labels: Mapping[str, str]) -> str | None:
+            if model and "model_name" in labels and labels["model_name"] != model:
+                return None
+            name = canonical_name(sample_name)
+            if name == "num_requests_waiting_by_reason":
+                # vLLM >= 0.11 splits waiting requests by reason; "capacity" is the scheduler's queue.
+                name = f"num_requests_waiting_{labels.get('reason', '')}"
+            return name
+
+        return metrics.canonical_values(exposition, canonical)

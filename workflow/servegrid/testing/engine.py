@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from servegrid import engines, metrics
 from servegrid.engines.base import EngineFacts, StartupFacts
@@ -145,16 +144,12 @@ class CalibrationEngine:
 
     # ---- metrics ---------------------------------------------------------------------------
     def parse_metrics(self, exposition: str, model: str | None) -> dict[str, float]:
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(exposition):
-            for sample in family.samples:
-                name = _canonical_name(sample.name)
-                if name not in metrics.COUNTERS and name not in metrics.GAUGES:
-                    continue
-                if model and sample.labels.get(dialect.MODEL_LABEL, model) != model:
-                    continue
-                values[name] = values.get(name, 0.0) + float(sample.value)
-        return values
+        def canonical(sample_name: str, labels: Mapping[str, str]) -> str | None:
+            if model and labels.get(dialect.MODEL_LABEL, model) != model:
+                return None
+            return _canonical_name(sample_name)
+
+        return metrics.canonical_values(exposition, canonical)
 
 
 engines.register(CalibrationEngine.kind, CalibrationEngine)
