@@ -187,3 +187,23 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
     assert "Prompts of 256 tokens, 16 tokens out." in text
     assert "Short generations on cold prompts" in text  # its verdict row
     assert text.count('src="data:image/png;base64,') == len(names)
+
+
+ENGINE_WORDS = ("vllm:", "VLLM_", "--enable-prefix-caching", "--speculative-config", "/tokenize", "/detokenize",
+                "/reset_prefix_cache", "continuous_usage_stats", "min_tokens", "ignore_eos", "/v1/")  # fmt: skip
+
+
+def test_only_the_engines_speak_an_engines_language():
+    """No string in the package outside engines/ (and the test tools) names an engine's flag, route, variable or
+    metric: the client, the modes, the cell and the server lifecycle reach the server through the Engine protocol."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if {"engines", "testing"} & set(path.relative_to(PACKAGE).parts):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        documented = [n for n in ast.walk(tree) if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef)]
+        docstrings = {id(n.body[0].value) for n in documented if n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                offenders += [f"{path.name}:{node.lineno}: {word}" for word in ENGINE_WORDS if word in node.value]
+    assert offenders == []
