@@ -64,6 +64,7 @@ def synthetic_cell(
     requests: int = 6,
     mismatched: int = 0,
     errors: int = 0,
+    warmup_errors: int = 0,
     turns: int = 1,
     spread: float = 0.05,
     interval_spread: float = 0.0,
@@ -113,6 +114,10 @@ def synthetic_cell(
             r.error = "HTTP 500: boom" if i >= requests - errors else None
             recs.append(r)
             t = r.end_ns
+    for i in range(warmup_errors):  # failed unmeasured requests, as a warm-up the server refused
+        failed = RequestRecord(f"w{i}", 0, i, "warmup", 1, context, output_tokens, http_status=500, error="HTTP 500")
+        failed.t0_ns = failed.sent_ns = failed.intended_send_ns = 1_000_000_000
+        recs.append(failed)
     meta = {
         "cell": {
             "configuration": configuration,

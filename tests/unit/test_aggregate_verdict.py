@@ -183,6 +183,19 @@ def test_a_contradicting_hit_rate_invalidates_the_cell(tmp_path, monkeypatch, de
     assert "contradicts the expected" in row["invalid_reasons"]
 
 
+def test_a_failed_warm_up_invalidates_the_cell(tmp_path, monkeypatch, demo_raw):
+    """A warm-up that failed may have left the shared prefix unprimed: the cell is not comparable."""
+    monkeypatch.chdir(tmp_path)
+    experiment = Experiment(demo_raw)
+    cell = experiment.cell("prefix_cache", "single_turn", 1024, 1)
+    synthetic_cell(tmp_path / cell.path, "prefix_cache", "single_turn", 1024, 1, ttft_s=0.1, interval_s=0.01,
+                   hit_rate=0.9, warmup_errors=1)  # fmt: skip
+    row = run_aggregate(experiment, [cell.path], tmp_path)["summary"].iloc[0]
+    assert row["n_unmeasured_errors"] == 1 and row["n_errors"] == 0
+    assert not bool(row["valid"])
+    assert "1 warm-up or probe requests failed" in row["invalid_reasons"]
+
+
 @pytest.mark.parametrize(("preemptions", "kv_usage_max", "limited"), [(0, 0.5, False), (3, 0.5, True), (0, 0.99, True)])
 def test_kv_limited_cells_are_marked(tmp_path, monkeypatch, demo_raw, preemptions, kv_usage_max, limited):
     monkeypatch.chdir(tmp_path)

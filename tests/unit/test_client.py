@@ -11,6 +11,7 @@ import pytest
 from servegrid.client import (
     StartPacer,
     Streamer,
+    decode_into,
     decode_stream,
     sse_events,
     streaming_session,
@@ -212,3 +213,29 @@ def test_a_silent_server_fails_the_request_on_the_read_timeout(calibration):
         asyncio.run(impatient())
     assert record.error and "Timeout" in record.error
     assert (record.end_ns - record.sent_ns) / 1e9 < 3
+
+
+@pytest.mark.parametrize(
+    ("event", "named"),
+    [
+        (b"[1, 2]", "not an object"),
+        (b'"text"', "not an object"),
+        (b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": "3"}}', "not an integer"),
+        (b'{"choices": ["a"], "usage": {"completion_tokens": 1}}', "malformed SSE event"),
+        (b"{not json", "malformed SSE event"),
+    ],
+)
+def test_a_malformed_event_fails_its_request_not_the_cell(event, named):
+    good = b'data: {"choices": [{"text": "a"}], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}\n\n'
+    raw = good + b"data: " + event + b"\n\ndata: [DONE]\n\n"
+    record = RequestRecord("r", 0, 0, "measured", 1, 4, 2)
+    decode_into(raw, [(1, len(raw))], record)
+    assert record.error is not None and record.error.startswith("malformed SSE event")
+    assert named in record.error
+
+
+def test_null_token_counts_are_no_count_and_a_stream_without_any_is_an_error():
+    raw = b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": null}}\n\ndata: [DONE]\n\n'
+    record = RequestRecord("r", 0, 0, "measured", 1, 4, 2)
+    decode_into(raw, [(1, len(raw))], record)
+    assert record.error is not None and "without usage" in record.error

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import with_changes
@@ -168,3 +170,27 @@ def test_unknown_mode_is_an_error_everywhere_it_is_looked_up():
 
     with pytest.raises(UnknownModeError, match="unknown workload mode 'decode_short'"):
         modes.get("decode_short")
+
+
+def test_a_key_given_twice_fails_naming_its_line(tmp_path, repo):
+    text = (repo / "config" / "cpu-demo.yaml").read_text()
+    duplicated = text.replace(
+        "configurations:\n", "configurations:\n  ngram:\n    label: first\n    prefix_caching: true\n", 1
+    )
+    (tmp_path / "dup.yaml").write_text(duplicated)
+    line = duplicated.splitlines().index("  ngram:") + 1
+    with pytest.raises(ConfigError, match=rf"dup\.yaml:\d+: duplicate key 'ngram' \(first at line {line}\)"):
+        Experiment.from_file(tmp_path / "dup.yaml")
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value"),
+    [
+        ("workloads.decode.concurrency", [1, 2.0]),
+        ("workloads.decode.contexts", [512.0]),
+        ("workloads.decode.seed", 1.0),
+    ],
+)
+def test_integers_are_integers_as_written(demo_raw, dotted, value):
+    with pytest.raises(ConfigError, match=re.escape(dotted) + r".*is not of type 'integer'"):
+        Experiment(with_changes(demo_raw, **{dotted: value}))

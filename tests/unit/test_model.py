@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tokenizers import Tokenizer
 
 from servegrid import model
@@ -38,3 +39,20 @@ def test_rebuild_replaces_the_folder(tmp_path):
     (target / "stale.txt").write_text("old")
     model.build(target, model.TinyModelSpec(corpus_sentences=2000))
     assert not (target / "stale.txt").exists()
+
+
+def test_a_folder_servegrid_did_not_build_is_never_replaced(tmp_path, demo_raw):
+    from helpers import with_changes
+    from servegrid.config import Experiment
+    from servegrid.errors import ConfigError
+
+    real = tmp_path / "my-model"
+    real.mkdir()
+    (real / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ConfigError, match=r"model\.path: .*my-model exists and is not a tiny model servegrid built"):
+        model.build(real, model.TinyModelSpec(corpus_sentences=2000))
+    assert (real / "model.safetensors").read_bytes() == b"weights"
+    with pytest.raises(ConfigError, match=r"model\.path: .*my-model exists"):  # refused before anything runs
+        Experiment(with_changes(demo_raw, **{"model.path": str(real)}))
+    (tmp_path / "empty").mkdir()
+    model.build(tmp_path / "empty", model.TinyModelSpec(corpus_sentences=2000))  # an empty folder is fine

@@ -9,6 +9,12 @@ from servegrid import server as servers
 from servegrid.config import Experiment, canonical_json
 from servegrid.figure_list import figure_paths
 from servegrid.procs import ProcessRef
+from servegrid.schema import read_yaml
+
+# Snakemake's YAML loader keeps the last of a key given twice, silently: read each file
+# again, strictly, so that a duplicated configuration fails naming its line.
+for configfile in workflow.config_settings.configfiles or ["config.yaml"]:
+    read_yaml(configfile)
 
 # Validated against workflow/schemas/config.schema.yaml (with each workload mode's own
 # settings from its module) before any job runs; an error names the key.

@@ -96,6 +96,8 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         "n_token_mismatch": int(
             (measured["error"].isna() & ~(measured["prompt_tokens_ok"] & measured["output_tokens_ok"])).sum()
         ),
+        # A failed warm-up or probe: a shared prefix may never have been primed, a probe figure is missing.
+        "n_unmeasured_errors": int(frame.loc[frame["phase"] != "measured", "error"].notna().sum()),
         "duration_s": meta.get("duration_s"),
         "primary_metric": primary.metric,
         "primary_higher_is_better": primary.higher_is_better,
@@ -180,6 +182,8 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         reasons.append(f"{row['n_errors']} failed requests")
     if row["n_token_mismatch"]:
         reasons.append(f"{row['n_token_mismatch']} token-count mismatches")
+    if row["n_unmeasured_errors"]:
+        reasons.append(f"{row['n_unmeasured_errors']} warm-up or probe requests failed")
     if row["cache_contradiction"]:
         reasons.append(
             f"prefix-cache hit rate {row['server_prefix_cache_hit_rate'] or 0:.2f} "

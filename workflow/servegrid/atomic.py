@@ -1,7 +1,9 @@
 """Write outputs so that a reader sees either nothing or the complete file.
 
 A killed job leaves at most a dot-file with ``.partial`` in its name next to
-the target: nothing that looks like a finished output.
+the target: nothing that looks like a finished output. The file's bytes reach
+the disk (fsync) before the rename, and the rename before the function returns,
+so a power cut cannot leave a complete-looking file with missing content.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ def atomic_path(target: Path | str) -> Iterator[Path]:
     os.chmod(tmp, 0o666 & ~_umask())
     try:
         yield tmp
+        _fsync(tmp)
         os.replace(tmp, target)
+        _fsync(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -55,6 +59,14 @@ def atomic_directory(target: Path) -> Iterator[Path]:
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

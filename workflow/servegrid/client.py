@@ -185,7 +185,7 @@ class Streamer:
         if record.http_status != 200:
             record.error = f"HTTP {record.http_status}: {raw[:1000].decode('utf-8', 'replace')}"
         elif decode:
-            _decode_into(raw, reads, record)
+            decode_into(raw, reads, record)
         else:
             self._pending.append((raw, reads, record))
 
@@ -210,14 +210,15 @@ class Streamer:
         """Decode the streams that :meth:`stream` was told not to decode yet."""
         pending, self._pending = self._pending, []
         for raw, reads, record in pending:
-            _decode_into(raw, reads, record)
+            decode_into(raw, reads, record)
 
 
-def _decode_into(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
+def decode_into(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
     try:
         decode_stream(raw, reads, record)
-    except orjson.JSONDecodeError as exc:
-        record.error = f"malformed SSE payload: {exc}"
+    except (ValueError, TypeError, AttributeError) as exc:  # JSON errors are ValueErrors too
+        # One request with a malformed event is one failed request, never a lost cell.
+        record.error = f"malformed SSE event: {exc}"[:1000]
     if record.error is None and record.output_tokens_reported is None:
         record.error = "stream ended without usage (the server must report usage in every chunk)"
 
@@ -236,6 +237,8 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
         if data == b"[DONE]":
             continue
         event = orjson.loads(data)
+        if not isinstance(event, dict):
+            raise ValueError(f"an event is JSON but not an object: {data[:200]!r}")
         if "error" in event:
             record.error = f"stream error: {json.dumps(event['error'])[:500]}"
             continue
@@ -244,10 +247,13 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]
         usage = event.get("usage") or {}
-        if "completion_tokens" not in usage:
+        completion = usage.get("completion_tokens")
+        if completion is None:  # absent or null: this event says nothing about tokens
             continue
-        new_tokens = usage["completion_tokens"] - tokens_so_far
-        tokens_so_far = usage["completion_tokens"]
+        if not isinstance(completion, int) or isinstance(completion, bool):
+            raise ValueError(f"usage.completion_tokens is {completion!r}, not an integer")
+        new_tokens = completion - tokens_so_far
+        tokens_so_far = completion
         record.prompt_tokens_reported = usage.get("prompt_tokens")
         record.output_tokens_reported = tokens_so_far
         if new_tokens > 0:

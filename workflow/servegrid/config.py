@@ -22,11 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from servegrid import engines, modes, paths
 from servegrid.errors import ConfigError
-from servegrid.schema import validate
+from servegrid.schema import read_yaml, validate
 from servegrid.sections import (
     ClassRule,
     Configuration,
@@ -101,13 +99,7 @@ class Experiment:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Experiment:
-        path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raw = read_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         return cls(raw, source=str(path))
@@ -247,6 +239,10 @@ class Experiment:
                 | {f"configurations.{n}.env": c.env or {} for n, c in self.configurations.items()},
                 tiny_model=self.model.tiny is not None,
             )
+            if self.model.tiny is not None:
+                from servegrid.model import check_replaceable
+
+                check_replaceable(self.model.path)  # before Snakemake could delete a real model's folder
             if not self.workloads:
                 raise ConfigError("workloads: no workload mode is enabled")
             from servegrid.catalogues import available_languages

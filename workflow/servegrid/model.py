@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from servegrid import text
 from servegrid.atomic import atomic_directory
+from servegrid.errors import ConfigError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -108,8 +109,22 @@ def tokenizer_config(spec: TinyModelSpec) -> dict:
     }
 
 
+MARKER = "servegrid_tiny_model.json"  # in every folder build() writes: the only folders it may replace
+
+
+def check_replaceable(out_dir: Path | str) -> None:
+    """Refuse, naming the key, to replace a folder that servegrid did not build (a user's real model)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not (out_dir / MARKER).is_file():
+        raise ConfigError(
+            f"model.path: {out_dir} exists and is not a tiny model servegrid built (no {MARKER}); with model.tiny "
+            "set it would be replaced. Point model.path at a new folder, or remove model.tiny to serve it as it is"
+        )
+
+
 def build(out_dir: Path, spec: TinyModelSpec | None = None) -> dict[str, str]:
-    """Write the model folder atomically; returns ``{file: sha256}``."""
+    """Write the model folder atomically; returns ``{file: sha256}``. Replaces only a folder it built."""
+    check_replaceable(out_dir)
     spec = spec or TinyModelSpec()
     tokenizer = train_tokenizer(spec)
     files = {
@@ -118,7 +133,7 @@ def build(out_dir: Path, spec: TinyModelSpec | None = None) -> dict[str, str]:
         "tokenizer.json": tokenizer.to_str(pretty=False) + "\n",
         "tokenizer_config.json": _json(tokenizer_config(spec)),
         "chat_template.jinja": CHAT_TEMPLATE + "\n",
-        "servegrid_tiny_model.json": _json(asdict(spec)),
+        MARKER: _json(asdict(spec)),
     }
     with atomic_directory(Path(out_dir)) as tmp:
         for name, content in files.items():

@@ -82,13 +82,14 @@ def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, A
     schema = CELL_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True, default=str).encode()})
     table = pa.table(rows(records), schema=schema)
     with atomic.atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+        # Page checksums: a bit flipped on disk is an error on read, never a silently wrong latency.
+        pq.write_table(table, tmp, write_page_checksum=True)
 
 
 def read_cell(path: Path | str) -> tuple[pa.Table, dict[str, Any]]:
     """A cell file's table and metadata; :class:`CellFileError` naming the file if it cannot be read."""
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as exc:
         raise CellFileError(
             f"{path}: cannot read the cell file ({exc}); delete it and rerun to measure it again"

@@ -18,8 +18,47 @@ from servegrid.errors import ConfigError
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise ConfigError(
+                    f"{self.name}:{key_node.start_mark.line + 1}: duplicate key '{key}' "
+                    f"(first at line {seen[key]}); YAML would keep only the last one"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A config file's content; :class:`ConfigError` naming the file (and line) when it cannot be read."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    loader = _StrictLoader(text)
+    loader.name = str(path)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    finally:
+        loader.dispose()
+
+
+def _integer(checker: Any, instance: Any) -> bool:
+    # JSON Schema counts 2.0 as an integer; a grid value of 2.0 would name a cell file no rule makes.
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
 def _validator_with_defaults() -> type:
-    """jsonschema's documented recipe: fill in ``default`` while validating (as Snakemake's validate() does)."""
+    """jsonschema's documented recipe: fill in ``default`` while validating (as Snakemake's validate() does);
+    "integer" means an integer as written, never 2.0."""
     base = Draft202012Validator
     validate_properties = base.VALIDATORS["properties"]
 
@@ -30,7 +69,9 @@ def _validator_with_defaults() -> type:
                     instance.setdefault(name, copy.deepcopy(subschema["default"]))
         yield from validate_properties(validator, properties, instance, schema)
 
-    return validators.extend(base, {"properties": set_defaults})
+    return validators.extend(
+        base, {"properties": set_defaults}, type_checker=base.TYPE_CHECKER.redefine("integer", _integer)
+    )
 
 
 def load_schema() -> dict[str, Any]:

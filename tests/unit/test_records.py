@@ -1,0 +1,35 @@
+"""Cell files: written atomically with page checksums; a damaged one is an error naming it, never wrong numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import synthetic_cell
+from servegrid import records
+from servegrid.errors import CellFileError
+
+
+def test_a_flipped_byte_anywhere_in_the_data_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "cell.parquet"
+    synthetic_cell(path, "a", "decode", 512, 2, ttft_s=0.1, interval_s=0.01, requests=200, output_tokens=64)
+    table, _ = records.read_cell(path)
+    original = path.read_bytes()
+    footer = int.from_bytes(original[-8:-4], "little") + 8  # the metadata and its length, at the end
+    data_end = len(original) - footer
+    for offset in range(8, data_end, max(1, (data_end - 8) // 25)):
+        damaged = bytearray(original)
+        damaged[offset] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        try:
+            read, _ = records.read_cell(path)
+        except CellFileError as exc:
+            assert str(path) in str(exc)
+            continue
+        assert read.equals(table), f"a flip at byte {offset} of {data_end} read back different data silently"
+
+
+def test_a_file_that_is_not_a_cell_file_is_named(tmp_path):
+    path = tmp_path / "x.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(CellFileError, match=r"x\.parquet"):
+        records.read_cell(path)
