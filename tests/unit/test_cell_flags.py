@@ -109,6 +109,18 @@ def test_a_cell_whose_every_request_failed_writes_nothing(sandbox):
     assert not os.path.exists(cell.path)
 
 
+def test_a_cell_longer_than_the_servers_context_limit_fails_before_measuring(sandbox):
+    """The config does not state the limit here; the server's first answer does, and the cell stops there."""
+    raw = calibration_experiment().raw
+    raw["configurations"] = {"short": {"label": "short", "prefix_caching": True, "args": ["--context-limit", "300"]}}
+    experiment = Experiment(raw)
+    (cell,) = [c for c in experiment.cells("short") if c.mode == "single_turn"]
+    with pytest.raises(CellError, match=r"workloads\.single_turn\.contexts: at context 512 a request holds about 548 "
+                       r"tokens, more than the 300 the running server accepts"):  # fmt: skip
+        run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    assert not os.path.exists(cell.path)
+
+
 def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
     raw = calibration_experiment().raw
     raw["workloads"] = {"single_turn": {"contexts": [256], "concurrency": [2], "suffix_tokens": 16, "output_tokens": 4,

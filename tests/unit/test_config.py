@@ -194,3 +194,22 @@ def test_a_key_given_twice_fails_naming_its_line(tmp_path, repo):
 def test_integers_are_integers_as_written(demo_raw, dotted, value):
     with pytest.raises(ConfigError, match=re.escape(dotted) + r".*is not of type 'integer'"):
         Experiment(with_changes(demo_raw, **{dotted: value}))
+
+
+@pytest.mark.parametrize("flag", [["--max-model-len", "2048"], ["--max_model_len=2048"]])
+def test_a_cell_that_cannot_fit_the_context_limit_is_refused_before_any_server_starts(demo_raw, flag):
+    args = [a for a in demo_raw["engine"]["args"] if a not in ("--max-model-len", "8192")]
+    raw = with_changes(demo_raw, **{"engine.args": args, "configurations.ngram.args": flag})
+    # single_turn at 4096 tokens of shared prefix cannot fit 2048: named with its key and configuration
+    with pytest.raises(
+        ConfigError, match=r"workloads\.single_turn\.contexts: at context 4096 .* configuration 'ngram'"
+    ):
+        Experiment(raw)
+    raw["workloads"]["single_turn"]["contexts"] = [1024]
+    raw["workloads"]["multi_turn"]["contexts"] = [1024]  # 1024 + 2 × 256 + 32 fits
+    Experiment(raw)
+    raw["workloads"]["multi_turn"]["turns"] = 5  # 1024 + 4 × 256 + 32 does not
+    with pytest.raises(
+        ConfigError, match=r"workloads\.multi_turn\.contexts: at context 1024 a request holds about 2080"
+    ):
+        Experiment(raw)

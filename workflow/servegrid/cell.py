@@ -165,6 +165,13 @@ def run_cell(
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
     with server.lease(cell.configuration, runtime):
         facts = server.ensure(spec, runtime, owner)
+        need = experiment.longest_request(cell.mode, cell.context)
+        if facts.max_model_len is not None and need > facts.max_model_len:
+            # Where the config does not state the limit, the server's first answer does: fail before measuring.
+            raise CellError(
+                f"cell {cell.id}: workloads.{cell.mode}.contexts: at context {cell.context} a request holds about "
+                f"{need} tokens, more than the {facts.max_model_len} the running server accepts"
+            )
         if client_cpus:
             # After the server is up (it must not inherit them): off the server's cores, so that the
             # engine's busy threads do not delay the client's timestamps.

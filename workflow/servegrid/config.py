@@ -226,6 +226,28 @@ class Experiment:
     def roles(self) -> dict[str, str]:
         return {name: self.role(name) for name in self.configurations}
 
+    def longest_request(self, mode: str, context: int) -> int:
+        """Prompt + output tokens of the longest request of a cell of ``mode`` at ``context``."""
+        return modes.get(mode).request_tokens(context, self.workload(mode).settings)
+
+    def _check_context_limits(self) -> None:
+        """A cell whose requests cannot fit the server's context limit (where the config states it) is refused
+        now, not after a server started and every request came back HTTP 400."""
+        engine = engines.get(self.engine.kind)
+        for name, conf in self.configurations.items():
+            limit = engine.context_limit([*self.engine.args, *conf.args])
+            if limit is None:
+                continue
+            for mode, workload in self.workloads.items():
+                for context in workload.contexts:
+                    need = self.longest_request(mode, context)
+                    if need > limit:
+                        raise ConfigError(
+                            f"workloads.{mode}.contexts: at context {context} a request holds about {need} tokens, "
+                            f"more than the {limit} that configuration '{name}' allows "
+                            f"(its context limit in engine.args or configurations.{name}.args)"
+                        )
+
     # ---- checks the schema cannot express ---------------------------------------------------------
     def _check_semantics(self) -> None:
         src = self.source
@@ -239,6 +261,7 @@ class Experiment:
                 | {f"configurations.{n}.env": c.env or {} for n, c in self.configurations.items()},
                 tiny_model=self.model.tiny is not None,
             )
+            self._check_context_limits()
             if self.model.tiny is not None:
                 from servegrid.model import check_replaceable
 

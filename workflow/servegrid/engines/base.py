@@ -55,6 +55,9 @@ class Engine(Protocol):
         """Raise :class:`servegrid.errors.ConfigError`, naming the key, for flags or variables servegrid sets
         itself (``configuration_args``/``env`` are keyed by config path, e.g. ``configurations.mtp.args``)."""
 
+    def context_limit(self, args: Sequence[str]) -> int | None:
+        """The longest request (prompt + output tokens) the launch ``args`` allow, where they say; else None."""
+
     def feature_flags(self, prefix_caching: bool, speculative: Mapping[str, Any] | None) -> list[str]:
         """The launch flags that turn the compared features on or off."""
 

@@ -123,6 +123,15 @@ class VLLMEngine:
                     "engine.args: model.tiny builds a folder without weights, so the engine needs '--load-format dummy'"
                 )
 
+    def context_limit(self, args: Sequence[str]) -> int | None:
+        limit = None
+        for i, arg in enumerate(args):  # the last one wins, as in vLLM's parser
+            if normalized_flag(arg) == "--max-model-len":
+                value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+                with contextlib.suppress(ValueError):
+                    limit = int(value)
+        return limit
+
     def feature_flags(self, prefix_caching: bool, speculative: Mapping[str, Any] | None) -> list[str]:
         flags = ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
         if speculative:

@@ -90,6 +90,9 @@ class Mode:
     summarize: Callable[[pd.DataFrame, pd.DataFrame], dict[str, Any]] | None = None
     expected_hits: Callable[[Mapping[str, Any], pd.DataFrame, int], float] | None = None
     corpus_extra: Callable[[Mapping[str, Any]], int] = lambda workload: 0
+    # Tokens the longest request of a cell holds at its end (prompt + output), from its context and
+    # settings; None: context + corpus_extra + output_tokens.
+    longest_request: Callable[[int, Mapping[str, Any]], int] | None = None
     # The description's placeholders from the mode's settings (numbers and lists of numbers).
     describe: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda workload: {}
 
@@ -104,6 +107,12 @@ class Mode:
     def extra_columns(self, valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any]:
         """This mode's own summary columns for one cell (valid measured requests; every request)."""
         return dict(self.summarize(valid, cell_frame)) if self.summarize else {}
+
+    def request_tokens(self, context: int, workload: Mapping[str, Any]) -> int:
+        """Prompt + output tokens of the cell's longest request: what must fit the server's context limit."""
+        if self.longest_request is not None:
+            return self.longest_request(context, workload)
+        return context + self.corpus_extra(workload) + workload["output_tokens"]
 
     def corpus_tokens(self, settings: Mapping[str, Any]) -> int:
         """Tokens of prompt text a cell needs: its longest request plus headroom."""

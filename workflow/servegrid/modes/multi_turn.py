@@ -194,6 +194,8 @@ MODE = register(
         summarize=turn_columns,
         expected_hits=expected_hits,
         corpus_extra=lambda w: w["tokens_per_turn"],
+        # The last turn carries every earlier turn's message and reply (the chat template adds a few more).
+        longest_request=lambda context, w: context + (w["turns"] - 1) * w["tokens_per_turn"] + w["output_tokens"],
         describe=lambda w: {"turns": w["turns"], "per_turn": w["tokens_per_turn"]},
     )
 )

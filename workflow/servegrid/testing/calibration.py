@@ -68,6 +68,7 @@ class Script:
     prefix_cache: bool = True
     fail_with_status: int = 0  # answer every generation request with this HTTP status
     legacy_metric_names: bool = False  # the vLLM dialect's names before vLLM 0.11
+    context_limit: int = calibration_dialect.CONTEXT_LIMIT  # what /v1/models reports as max_model_len
 
     @property
     def chunk_tokens(self) -> int:
@@ -187,7 +188,7 @@ class CalibrationServer:
         return web.json_response({"version": "calibration"})
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": self.model, "max_model_len": calibration_dialect.CONTEXT_LIMIT}]})
+        return web.json_response({"data": [{"id": self.model, "max_model_len": self.script.context_limit}]})
 
     async def info(self, _: web.Request) -> web.Response:
         return web.json_response(calibration_dialect.info())
@@ -201,7 +202,7 @@ class CalibrationServer:
     async def tokenize_vllm(self, request: web.Request) -> web.Response:
         body = await request.json()
         ids = self._chat_ids(body["messages"]) if "messages" in body else self.vocab.encode(body["prompt"])
-        return web.json_response({"count": len(ids), "tokens": ids, "max_model_len": calibration_dialect.CONTEXT_LIMIT})
+        return web.json_response({"count": len(ids), "tokens": ids, "max_model_len": self.script.context_limit})
 
     async def detokenize_vllm(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -401,6 +402,8 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between chunks")
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--jitter", type=float, default=0.0)
+    parser.add_argument("--context-limit", type=int, default=calibration_dialect.CONTEXT_LIMIT,
+                        help="the longest request it says it accepts")  # fmt: skip
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefix caching off: never a cache hit")
     parser.add_argument("--prompt-tokens-offset", type=int, default=0, help="fault: misreport usage.prompt_tokens")
     parser.add_argument("--completion-tokens-offset", type=int, default=0, help="fault: misreport the output")
@@ -441,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         completion_tokens_offset=args.completion_tokens_offset,
         prefix_cache=not args.no_prefix_cache,
         fail_with_status=args.fail_with,
+        context_limit=args.context_limit,
     )
     app = CalibrationServer(script, model=model, dialect=dialect, api_key=api_key).app()
     web.run_app(app, host=host.strip("[]"), port=int(port), access_log=None, print=None)

@@ -59,6 +59,9 @@ class CalibrationEngine:
             if dialect.API_KEY_VAR in variables:
                 raise ConfigError(f"{where}: name the key's variable in engine.api_key_env, not {dialect.API_KEY_VAR}")
 
+    def context_limit(self, args: Sequence[str]) -> int | None:
+        return None  # the calibration server takes any length
+
     def feature_flags(self, prefix_caching: bool, speculative: Mapping[str, Any] | None) -> list[str]:
         flags = [] if prefix_caching else ["--no-prefix-cache"]
         if speculative:
