@@ -57,7 +57,8 @@ def cell_settings(wildcards):
 
 
 def launch_spec(wildcards):
-    return canonical_json(EXPERIMENT.launch_spec(wildcards.configuration))
+    # Secrets masked: params are stored in .snakemake/metadata; the cell launches with the real values.
+    return canonical_json(EXPERIMENT.public_launch_spec(wildcards.configuration))
 
 
 def cells_of_configuration(wildcards):

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from servegrid import engines, modes, paths
+from servegrid import engines, modes, paths, redact
 from servegrid.errors import ConfigError
 from servegrid.schema import read_yaml, validate
 from servegrid.sections import (
@@ -170,6 +170,12 @@ class Experiment:
             "speculative": dict(conf.speculative) if conf.speculative else None,
         }
 
+    def public_launch_spec(self, name: str) -> dict[str, Any]:
+        """:meth:`launch_spec` with every secret masked: what spec.json, Snakemake's params and the reports hold.
+        A changed secret changes no measurement, so it reruns nothing; the server gets the real values."""
+        spec = self.launch_spec(name)
+        return {**spec, "args": redact.argv(spec["args"]), "env": redact.env(spec["env"])}
+
     def cell_settings(self, cell: Cell) -> dict[str, Any]:
         """Everything that cell's numbers depend on besides the server itself."""
         return {
@@ -201,9 +207,9 @@ class Experiment:
             "model": self.model.path,
             "tiny_model": self.model.tiny is not None,
             "engine": self.engine.kind,
-            "engine_args": list(self.engine.args),
+            "engine_args": redact.argv(self.engine.args),
             "configurations": {
-                name: {"label": c.label, "flags": self.configuration_flags(name), "role": self.role(name)}
+                name: {"label": c.label, "flags": redact.argv(self.configuration_flags(name)), "role": self.role(name)}
                 for name, c in self.configurations.items()
             },
             "workloads": {mode: self.workload_view(mode) for mode in self.workloads},

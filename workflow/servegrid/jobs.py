@@ -61,10 +61,11 @@ def run_cell(smk: Any) -> None:
     def body(experiment: Experiment) -> None:
         wc = smk.wildcards
         cell = experiment.cell(wc.configuration, wc.mode, int(wc.context), int(wc.concurrency))
-        spec = json.loads(Path(smk.input.spec).read_text(encoding="utf-8"))
-        if spec != experiment.launch_spec(cell.configuration):
+        written = json.loads(Path(smk.input.spec).read_text(encoding="utf-8"))
+        if written != experiment.public_launch_spec(cell.configuration):
             raise ConfigError(f"{smk.input.spec} does not match the configuration; rerun its server_spec job")
-        measure(experiment, cell, smk.output[0], owner=server.owner_from_env(), spec=spec)
+        # spec.json has its secrets masked; the server is launched with the real ones.
+        measure(experiment, cell, smk.output[0], owner=server.owner_from_env())
 
     _run(smk, body)
 

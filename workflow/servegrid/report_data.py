@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from babel import Locale
 
-from servegrid import engines, modes, stats
+from servegrid import engines, modes, redact, stats
 from servegrid.catalogues import Formatter
 from servegrid.config import Experiment, canonical_json
 from servegrid.figure_list import RUN_FIGURES
@@ -112,6 +112,10 @@ class ReportData:
     def run_figures() -> tuple[FigureSpec, ...]:
         return RUN_FIGURES
 
+    def shared_args(self) -> str:
+        """engine.args as the report prints them: secrets masked."""
+        return " ".join(redact.argv(self.experiment.engine.args))
+
     def engine_name(self) -> str:
         return engines.get(self.experiment.engine.kind).display_name
 
@@ -139,7 +143,7 @@ class ReportData:
                     "label": conf.label,
                     "prefix_caching": conf.prefix_caching,
                     "speculative": canonical_json(conf.speculative) if conf.speculative else None,
-                    "flags": " ".join(self.experiment.configuration_flags(name)),
+                    "flags": " ".join(redact.argv(self.experiment.configuration_flags(name))),
                     "gpus": list(conf.gpus),
                     "server": latest,
                     "sessions": len(sessions),

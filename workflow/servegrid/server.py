@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from servegrid import atomic, engines, hostinfo, paths, procs, state
+from servegrid import atomic, engines, hostinfo, paths, procs, redact, state
 from servegrid.config import spec_hash
 from servegrid.engines import Engine
 from servegrid.errors import ServerError
@@ -80,7 +80,7 @@ def _argv_and_env(spec: dict[str, Any], runtime: Runtime, port: int) -> tuple[li
 def launch_command(spec: dict[str, Any], runtime: Runtime, port: int) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment overrides (secrets masked) that ``spec``'s server gets on ``port``."""
     argv, env = _argv_and_env(spec, runtime, port)
-    return argv, engines.get(spec["engine"]).public_env(env)
+    return redact.argv(argv), engines.get(spec["engine"]).public_env(env)
 
 
 def auth_headers(spec: dict[str, Any]) -> dict[str, str]:
@@ -180,7 +180,6 @@ def _start(
         "configuration": configuration,
         "spec_hash": wanted,
         "argv": argv,
-        "env": env,
         "cwd": os.path.abspath(runtime.cwd),
         "url": url,
         "port": port,
@@ -192,7 +191,8 @@ def _start(
         "shutdown_timeout_s": runtime.shutdown_timeout_s,
     }
     launch_path = state.launch_path(runtime, configuration)
-    # The launch file carries the environment, API key included: owner-only.
+    # The environment (API key included) goes to the supervisor in its own environment, never on disk;
+    # the launch file is owner-only all the same.
     with atomic.atomic_path(launch_path) as tmp:
         tmp.write_text(json.dumps(launch), encoding="utf-8")
         os.chmod(tmp, 0o600)
@@ -205,6 +205,7 @@ def _start(
     with open(log_dir / f"{session}.supervisor.log", "ab") as sup_log:
         subprocess.Popen(
             [sys.executable, "-m", "servegrid.supervisor", str(launch_path)],
+            env={**os.environ, **env},  # the server's, inherited by it from its supervisor
             stdin=subprocess.DEVNULL,
             stdout=sup_log,
             stderr=subprocess.STDOUT,
@@ -231,7 +232,7 @@ def _start(
         session=session,
         spec_hash=wanted,
         url=url,
-        argv=argv,
+        argv=redact.argv(argv),
         env=engine.public_env(env),
         gpus=runtime.gpus,
         log_path=str(log_path),

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from servegrid import atomic, procs
+from servegrid import atomic, procs, redact
 
 POLL_S = 0.2
 
@@ -45,7 +45,7 @@ class Supervisor:
             "url": launch["url"],
             "port": launch["port"],
             "gpus": launch["gpus"],
-            "argv": launch["argv"],
+            "argv": redact.argv(launch["argv"]),
             "log_path": launch["log_path"],
             "owner": launch.get("owner"),
             "supervisor": procs.ProcessRef.of(os.getpid()).to_dict(),
@@ -67,7 +67,7 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
-        env = {**os.environ, **self.launch["env"]}
+        env = dict(os.environ)  # the server's environment came with this process's own, never through a file
         log = open(self.launch["log_path"], "ab", buffering=0)  # noqa: SIM115 - lives as long as the server
         try:
             if self.launch.get("cpus"):

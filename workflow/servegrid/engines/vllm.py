@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from servegrid import metrics
+from servegrid import metrics, redact
 from servegrid.engines.base import EngineFacts, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 
@@ -106,6 +106,11 @@ class VLLMEngine:
         for where, args in {"engine.args": engine_args, **configuration_args}.items():
             for arg in args:
                 flag = normalized_flag(arg)
+                if flag == "--api-key":
+                    raise ConfigError(
+                        f"{where}: '--api-key' would put the key in the server's argv and log; name the variable "
+                        "that holds it in engine.api_key_env instead"
+                    )
                 if flag in RESERVED_FLAGS:
                     raise ConfigError(
                         f"{where}: '{arg.split('=', 1)[0]}' is set by servegrid "
@@ -161,7 +166,7 @@ class VLLMEngine:
         return out
 
     def public_env(self, env: Mapping[str, str]) -> dict[str, str]:
-        return {k: ("***" if k == API_KEY_VAR else v) for k, v in env.items()}
+        return redact.env(env)  # VLLM_API_KEY ends in _KEY
 
     def startup_facts(self, log_text: str) -> StartupFacts:
         kv = KV_TOKENS_RE.search(log_text)

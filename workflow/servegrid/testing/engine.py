@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from servegrid import engines, metrics
+from servegrid import engines, metrics, redact
 from servegrid.engines.base import EngineFacts, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 from servegrid.testing import dialect
@@ -80,7 +80,7 @@ class CalibrationEngine:
         return {**env, dialect.API_KEY_VAR: api_key} if api_key else dict(env)
 
     def public_env(self, env: Mapping[str, str]) -> dict[str, str]:
-        return {k: ("***" if k == dialect.API_KEY_VAR else v) for k, v in env.items()}
+        return redact.env(env)  # its key's variable ends in _TOKEN
 
     def startup_facts(self, log_text: str) -> StartupFacts:
         found = dialect.STARTUP_RE.search(log_text)
