@@ -182,9 +182,12 @@ def test_the_api_key_reaches_the_server_alone(sandbox, monkeypatch):
     spec = fake_spec()
     spec["api_key_env"] = "SERVEGRID_TEST_KEY"
     facts = server.ensure(spec, sandbox, owner=None)
+    server_pid = _record(sandbox, "fake")["server"]["pid"]
+    assert psutil.Process(server_pid).environ()["VLLM_API_KEY"] == "s3cret"  # the server has it...
     launch_file = state.launch_path(sandbox, "fake")
-    assert "s3cret" in json.loads(launch_file.read_text())["env"].values()  # what the supervisor starts with
     assert launch_file.stat().st_mode & 0o777 == 0o600
+    for path in state.directory(sandbox).iterdir():  # ...and no file does: it came through the environment
+        assert "s3cret" not in path.read_text(), path
     assert "s3cret" not in json.dumps(asdict(facts)) and "***" in facts.env.values()
 
 
