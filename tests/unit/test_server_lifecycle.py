@@ -242,3 +242,33 @@ def test_stop_waits_for_the_cell_that_holds_the_lease(sandbox):
     worker.join()
     assert alive_at_release == [True]
     assert _group_alive(pgid) == []
+
+
+def test_a_stale_record_never_signals_a_process_that_is_not_the_servers(sandbox):
+    """After a reboot (or long after the server exited) a recorded pid and group can be someone else's:
+    `server down` must leave them alone, since they do not carry the server's session."""
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        record = {
+            "session": "20261201T000000-dead00",
+            "configuration": "gone",
+            "spec_hash": "x",
+            "url": "http://127.0.0.1:1",
+            "port": 1,
+            "gpus": [],
+            "argv": ["vllm"],
+            "log_path": "x.log",
+            "owner": None,
+            "supervisor": {"pid": stranger.pid, "create_time": 1.0},  # its pid, another process's start time
+            "server": {"pid": stranger.pid, "create_time": 1.0},
+            "pgid": stranger.pid,
+            "status": "running",
+        }
+        state.record_path(sandbox, "gone").write_text(json.dumps(record))
+        outcomes = server.stop_all(sandbox, reason="test")
+        assert [o["left_running"] for o in outcomes] == [[]]
+        time.sleep(0.5)
+        assert stranger.poll() is None, "a process that never carried the session was signalled"
+    finally:
+        stranger.kill()
+        stranger.wait()

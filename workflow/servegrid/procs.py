@@ -39,12 +39,26 @@ class ProcessRef:
         return cls(int(data["pid"]), float(data["create_time"])) if data else None
 
 
-def group_members(pgid: int) -> list[psutil.Process]:
-    """Live processes whose process group is ``pgid``."""
+# Every process of a server carries its session in its environment (inherited by the engine's
+# workers too): the identity a recorded process group is checked against before any signal, since
+# after the server's group is gone (or a reboot) its number can belong to someone else's.
+SESSION_ENV = "SERVEGRID_SESSION"
+
+
+def in_session(proc: psutil.Process, session: str) -> bool:
+    try:
+        return proc.environ().get(SESSION_ENV) == session
+    except psutil.Error:  # gone, or another user's: not ours
+        return False
+
+
+def group_members(pgid: int, session: str | None = None) -> list[psutil.Process]:
+    """Live processes whose process group is ``pgid`` (and, given ``session``, that carry it)."""
     members = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+            ours = session is None or in_session(proc, session)
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE and ours:
                 members.append(proc)
         except (ProcessLookupError, psutil.Error):
             continue
@@ -60,21 +74,27 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def terminate_group(pgid: int, grace_s: float, extra: list[psutil.Process] | None = None) -> dict[str, int]:
+def terminate_group(
+    pgid: int, grace_s: float, extra: list[psutil.Process] | None = None, session: str | None = None
+) -> dict[str, int]:
     """SIGTERM the whole group (and ``extra`` processes), SIGKILL what is left after ``grace_s``.
 
-    Returns how many processes each signal reached, for the record.
+    Given ``session``, only processes that carry it are signalled, one by one, never the group
+    as such. Returns how many processes each signal reached, for the record.
     """
     if pgid in (0, 1, os.getpgrp()):
         raise ValueError(f"refusing to signal process group {pgid}: it is not a server's own group")
-    targets = {p.pid: p for p in group_members(pgid) + list(extra or [])}
-    _signal_group(pgid, signal.SIGTERM)
+    extra = [p for p in extra or [] if session is None or in_session(p, session)]
+    targets = {p.pid: p for p in group_members(pgid, session) + extra}
+    if session is None:
+        _signal_group(pgid, signal.SIGTERM)
     for proc in targets.values():
         _signal(proc, signal.SIGTERM)
     _, alive = psutil.wait_procs(list(targets.values()), timeout=grace_s)
     # Members may have forked during shutdown: look again.
-    leftovers = {p.pid: p for p in alive + group_members(pgid)}
-    _signal_group(pgid, signal.SIGKILL)
+    leftovers = {p.pid: p for p in alive + group_members(pgid, session)}
+    if session is None:
+        _signal_group(pgid, signal.SIGKILL)
     for proc in leftovers.values():
         _signal(proc, signal.SIGKILL)
     psutil.wait_procs(list(leftovers.values()), timeout=5)

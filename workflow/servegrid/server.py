@@ -205,7 +205,9 @@ def _start(
     with open(log_dir / f"{session}.supervisor.log", "ab") as sup_log:
         subprocess.Popen(
             [sys.executable, "-m", "servegrid.supervisor", str(launch_path)],
-            env={**os.environ, **env},  # the server's, inherited by it from its supervisor
+            # The server's environment, inherited by it from its supervisor, and the session that marks
+            # every process of it (procs.SESSION_ENV): what a later stop checks before it signals.
+            env={**os.environ, **env, procs.SESSION_ENV: session},
             stdin=subprocess.DEVNULL,
             stdout=sup_log,
             stderr=subprocess.STDOUT,
@@ -311,11 +313,14 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
     if supervisor and supervisor.alive():
         os.kill(supervisor.pid, signal.SIGTERM)
         procs.wait_gone([supervisor], runtime.shutdown_timeout_s + 10)
-    if pgid and (procs.group_members(pgid) or (server and server.alive())):
+    # Only processes that carry this session are ever signalled: a recorded pid or group number
+    # may have been reused by now (the server exited long ago, the machine rebooted).
+    session = record["session"]
+    if pgid and (procs.group_members(pgid, session) or (server and server.alive())):
         # Supervisor missing or too slow: do its job.
-        extra = procs.tree(server.pid) if server else []
-        procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, extra=extra)
-    leftovers = procs.group_members(pgid) if pgid else []
+        extra = procs.tree(server.pid) if server and server.alive() else []
+        procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, extra=extra, session=session)
+    leftovers = procs.group_members(pgid, session) if pgid else []
     outcome["left_running"] = [p.pid for p in leftovers]
     final = state.read(state.record_path(runtime, record["configuration"])) or record
     outcome["returncode"] = final.get("returncode")

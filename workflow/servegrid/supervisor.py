@@ -93,7 +93,7 @@ class Supervisor:
             returncode = proc.poll()
             if returncode is not None:
                 # The API server is gone; its engine processes may not be.
-                procs.terminate_group(proc.pid, grace_s=min(self.grace_s, 5.0))
+                procs.terminate_group(proc.pid, grace_s=min(self.grace_s, 5.0), session=self.launch["session"])
                 self._write(status="exited", returncode=returncode, ended_at=now_iso(), end_reason="server exited")
                 return 0
             if self.stop_reason is None and self.owner is not None and not self.owner.alive():
@@ -101,7 +101,9 @@ class Supervisor:
             if self.stop_reason is not None:
                 self._write(status="stopping", end_reason=self.stop_reason)
                 extra = procs.tree(proc.pid)
-                signals = procs.terminate_group(proc.pid, grace_s=self.grace_s, extra=extra)
+                signals = procs.terminate_group(
+                    proc.pid, grace_s=self.grace_s, extra=extra, session=self.launch["session"]
+                )
                 proc.wait()
                 self._write(
                     status="stopped",
