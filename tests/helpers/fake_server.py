@@ -71,6 +71,14 @@ def main() -> int:
     print(f"engine child pid {child}", flush=True)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        # As vLLM's API server does on SIGTERM: shut its engine down, then exit. (On SIGKILL the child
+        # lives on, as vLLM's engine core does.)
+        def shut_down(_signum: int, _frame: object) -> None:
+            os.kill(child, signal.SIGKILL)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, shut_down)
     time.sleep(args.startup_delay)
     print("CPU KV cache size: 12,345 tokens, Maximum concurrency for 4,096 tokens per request: 3.01x", flush=True)
     Handler.healthy = not args.never_healthy

@@ -132,7 +132,8 @@ def test_servers_die_with_their_owner_even_on_sigkill(sandbox):
 
 
 def test_supervisor_gone_the_server_is_still_stopped(sandbox):
-    server.ensure(fake_spec(), sandbox, owner=None)
+    # A server that ignores the SIGTERM its supervisor's death sends it (see the test below) stays orphaned.
+    server.ensure(fake_spec("fake", "--ignore-sigterm"), sandbox, owner=None)
     record = _record(sandbox, "fake")
     os.kill(record["supervisor"]["pid"], signal.SIGKILL)
     time.sleep(0.3)
@@ -272,3 +273,44 @@ def test_a_stale_record_never_signals_a_process_that_is_not_the_servers(sandbox)
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_no_server_is_started_for_an_owner_that_is_gone(sandbox, monkeypatch):
+    """Snakemake killed while the next cell job was starting: that job must not start an ownerless server."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setenv(server.OWNER_ENV, str(gone.pid))
+    with pytest.raises(
+        ServerError, match=r"the Snakemake process \(SERVEGRID_OWNER_PID=\d+\) that runs this job is gone"
+    ):
+        server.owner_from_env()
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    ref = procs.ProcessRef.of(owner.pid)
+    owner.kill()
+    owner.wait()
+    with pytest.raises(ServerError, match=r"the process that owns this run \(pid \d+\) is gone: no server is started"):
+        server.ensure(fake_spec(), sandbox, owner=ref)
+    assert server.status(sandbox) == []
+
+
+def test_the_server_goes_when_its_supervisor_is_sigkilled(sandbox):
+    server.ensure(fake_spec(), sandbox, owner=None)
+    record = _record(sandbox, "fake")
+    members = procs.group_members(record["pgid"])
+    assert len(members) == 2  # the "API server" and its "engine core"
+    os.kill(record["supervisor"]["pid"], signal.SIGKILL)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    assert alive == [], "the server outlived its SIGKILLed supervisor"
+
+
+def test_a_watch_fires_once_when_its_process_goes():
+    import threading
+
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    fired = threading.Event()
+    stop = procs.watch(procs.ProcessRef.of(target.pid), fired.set, interval_s=0.05)
+    assert not fired.wait(0.3)
+    target.kill()
+    target.wait()
+    assert fired.wait(5)
+    stop.set()

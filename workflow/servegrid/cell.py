@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -160,6 +161,31 @@ def run_cell(
     settings = experiment.cell_settings(cell)
     configuration = experiment.configuration(cell.configuration)
     runtime = runtime or server.Runtime.from_config(experiment.operations, configuration)
+    # A cell whose Snakemake is gone stops at once (its server is being stopped by its supervisor anyway);
+    # nothing half-measured is written, since the cell file is written atomically at the end.
+    watching = procs.watch(owner, lambda: _stop_orphaned_cell(cell, owner)) if owner is not None else None
+    try:
+        return _run_cell(experiment, cell, out_path, owner, spec, engine, settings, runtime)
+    finally:
+        if watching is not None:
+            watching.set()
+
+
+def _stop_orphaned_cell(cell: Cell, owner: procs.ProcessRef) -> None:
+    log.error("cell %s: the process that owns this run (pid %d) is gone; stopping", cell.id, owner.pid)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _run_cell(
+    experiment: Experiment,
+    cell: Cell,
+    out_path: Path | str,
+    owner: procs.ProcessRef | None,
+    spec: dict[str, Any],
+    engine: Engine,
+    settings: dict[str, Any],
+    runtime: server.Runtime,
+) -> dict[str, Any]:
     client_cpus = list(experiment.operations.client_cpus)
     hostinfo.check_cpus(client_cpus, "operations.client_cpus")
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")

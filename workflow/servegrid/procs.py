@@ -7,9 +7,13 @@ is paired with the process's start time.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -99,6 +103,29 @@ def terminate_group(
         _signal(proc, signal.SIGKILL)
     psutil.wait_procs(list(leftovers.values()), timeout=5)
     return {"sigterm": len(targets), "sigkill": len(leftovers)}
+
+
+def watch(ref: ProcessRef, on_gone: Callable[[], None], interval_s: float = 0.5) -> threading.Event:
+    """Call ``on_gone()`` (once, from a daemon thread) when ``ref`` disappears; set the returned event to stop."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(interval_s):
+            if not ref.alive():
+                on_gone()
+                return
+
+    threading.Thread(target=poll, name=f"watch-{ref.pid}", daemon=True).start()
+    return stop
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """In a child between fork and exec (``preexec_fn``): get ``sig`` when the parent dies (Linux)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 def wait_gone(refs: list[ProcessRef], timeout_s: float) -> bool:

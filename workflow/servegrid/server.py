@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from servegrid import atomic, engines, hostinfo, paths, procs, redact, state
 from servegrid.config import spec_hash
@@ -47,14 +48,19 @@ LOG_TAIL_LINES = 40
 
 
 def owner_from_env() -> procs.ProcessRef | None:
-    """The process whose disappearance should take servers down: Snakemake, when it set one."""
+    """The process whose disappearance should take servers down: Snakemake, when it set one.
+
+    A job whose Snakemake is already gone (killed while this job was starting) gets an error, not
+    None: a server started with no owner would outlive everyone.
+    """
     raw = os.environ.get(OWNER_ENV)
     if not raw:
         return None
     try:
         return procs.ProcessRef.of(int(raw))
-    except (ValueError, Exception):  # noqa: BLE001 - a vanished owner is no owner
-        return None
+    except (ValueError, psutil.Error) as exc:
+        raise ServerError(f"the Snakemake process ({OWNER_ENV}={raw}) that runs this job is gone: no server is "
+                          "started for it") from exc  # fmt: skip
 
 
 # ---- argv, environment, authentication ---------------------------------------
@@ -160,10 +166,16 @@ def _pick_port(runtime: Runtime) -> int:
     raise ServerError(f"no free port on {runtime.host} in operations.port_range {low}-{high}")
 
 
+def _refuse_if_owner_gone(owner: procs.ProcessRef | None) -> None:
+    if owner is not None and not owner.alive():
+        raise ServerError(f"the process that owns this run (pid {owner.pid}) is gone: no server is started for it")
+
+
 def _start(
     spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, owner: procs.ProcessRef | None
 ) -> ServerFacts:
     configuration = spec["configuration"]
+    _refuse_if_owner_gone(owner)
     hostinfo.check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
     hostinfo.check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
     port = _pick_port(runtime)

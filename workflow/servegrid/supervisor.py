@@ -73,9 +73,13 @@ class Supervisor:
             if self.launch.get("cpus"):
                 # Inherited by every process of the server, engine workers included.
                 os.sched_setaffinity(0, self.launch["cpus"])
+            if self.owner is not None and not self.owner.alive():
+                raise OSError(f"owner process {self.owner.pid} is gone before the server started")
             proc = subprocess.Popen(
                 self.launch["argv"],
                 env=env,
+                # If this supervisor is SIGKILLed, the server gets SIGTERM and shuts its engine down itself.
+                preexec_fn=procs.die_with_parent,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
