@@ -4,7 +4,8 @@ It behaves like vLLM where the process manager cares: it forks a child in its
 own process group (as vLLM forks its engine core), serves /health, /version
 and a non-streaming /v1/completions for the warm-up, and logs a KV-cache line.
 Modes: ``--exit-at-start`` (bad argument), ``--never-healthy``,
-``--ignore-sigterm`` (needs SIGKILL). Measurements never use it.
+``--ignore-sigterm`` (needs SIGKILL), ``--answer-as NAME`` (not the server it was launched as).
+Measurements never use it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import signal
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 
 class Handler(BaseHTTPRequestHandler):
     healthy = True
+    names: ClassVar[list[str]] = ["fake"]
 
     def log_message(self, fmt: str, *args: object) -> None:
         print(fmt % args, flush=True)
@@ -38,7 +41,7 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/version":
             self._json({"version": "fake-0"})
         elif self.path == "/v1/models":
-            self._json({"data": [{"id": "fake", "max_model_len": 4096}]})
+            self._json({"data": [{"id": name, "max_model_len": 4096} for name in Handler.names]})
         else:
             self._json({"error": "not found"}, 404)
 
@@ -52,7 +55,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--served-model-name")
+    parser.add_argument("--served-model-name", nargs="+", default=["fake"])
+    parser.add_argument("--answer-as", help="list this name instead of its own, as another process on the port would")
     parser.add_argument("--exit-at-start", action="store_true")
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--ignore-sigterm", action="store_true")
@@ -82,6 +86,7 @@ def main() -> int:
     time.sleep(args.startup_delay)
     print("CPU KV cache size: 12,345 tokens, Maximum concurrency for 4,096 tokens per request: 3.01x", flush=True)
     Handler.healthy = not args.never_healthy
+    Handler.names = [args.answer_as] if args.answer_as else args.served_model_name
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
     return 0
 

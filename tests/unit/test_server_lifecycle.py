@@ -314,3 +314,12 @@ def test_a_watch_fires_once_when_its_process_goes():
     target.wait()
     assert fired.wait(5)
     stop.set()
+
+
+def test_a_healthy_server_that_is_not_the_one_launched_is_never_used(sandbox):
+    """Another process answering on the port (another pipeline's server) is refused, not measured."""
+    refused = r"answers, but as \['someone-else'\], not as the server for configuration 'fake' that servegrid just "
+    refused += r"launched \(servegrid-\d{8}T\d{6}-\w+\): another process holds that port"
+    with pytest.raises(ServerError, match=refused):
+        server.ensure(fake_spec("fake", "--answer-as", "someone-else"), sandbox, owner=None)
+    assert _group_alive(_record(sandbox, "fake")["pgid"]) == []  # and what was launched is stopped

@@ -76,16 +76,24 @@ def _api_key(spec: dict[str, Any]) -> str | None:
     return key
 
 
-def _argv_and_env(spec: dict[str, Any], runtime: Runtime, port: int) -> tuple[list[str], dict[str, str]]:
+def identity(session: str) -> str:
+    """The extra name a server answers to: its launch's own, checked before it is used or reused."""
+    return f"servegrid-{session}"
+
+
+def _argv_and_env(spec: dict[str, Any], runtime: Runtime, port: int, session: str) -> tuple[list[str], dict[str, str]]:
     """The server's argv and its environment overrides, API key included."""
     engine = engines.get(spec["engine"])
-    argv = engine.argv(spec["command"], spec["model"], spec["served_name"], runtime.host, port, spec["args"])
+    names = [spec["served_name"], identity(session)]
+    argv = engine.argv(spec["command"], spec["model"], names, runtime.host, port, spec["args"])
     return argv, engine.server_env(spec["env"], runtime.gpus, _api_key(spec))
 
 
-def launch_command(spec: dict[str, Any], runtime: Runtime, port: int) -> tuple[list[str], dict[str, str]]:
+def launch_command(
+    spec: dict[str, Any], runtime: Runtime, port: int, session: str = "SESSION"
+) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment overrides (secrets masked) that ``spec``'s server gets on ``port``."""
-    argv, env = _argv_and_env(spec, runtime, port)
+    argv, env = _argv_and_env(spec, runtime, port, session)
     return redact.argv(argv), engines.get(spec["engine"]).public_env(env)
 
 
@@ -117,7 +125,7 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
             record = state.read(state.record_path(runtime, configuration))
             facts = state.read(state.facts_path(runtime, configuration))
             if record and state.live(record):
-                if record["spec_hash"] == wanted and facts and _healthy(engine, record["url"], spec):
+                if record["spec_hash"] == wanted and facts and _healthy(engine, record, spec):
                     return ServerFacts(**facts)
                 _stop_record(record, runtime, reason="replaced by a server with another spec")
             _raise_if_failed_before(runtime, configuration, wanted, owner)
@@ -183,7 +191,7 @@ def _start(
     log_dir = Path(paths.server_log_dir(configuration))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{session}.log"
-    argv, env = _argv_and_env(spec, runtime, port)
+    argv, env = _argv_and_env(spec, runtime, port, session)
     url_host = f"[{runtime.host}]" if ":" in runtime.host else runtime.host
     url = f"http://{url_host}:{port}"
     record_path = state.record_path(runtime, configuration)
@@ -227,7 +235,7 @@ def _start(
             close_fds=True,
         )
     try:
-        _wait_healthy(engine, url, spec, record_path, log_path, runtime.startup_timeout_s)
+        _wait_healthy(engine, url, spec, record_path, log_path, runtime.startup_timeout_s, identity(session))
         startup_s = time.monotonic() - started
         with httpx.Client(timeout=600.0, headers=auth_headers(spec)) as client:
             warm_started = time.monotonic()
@@ -274,7 +282,13 @@ def log_tail(log_path: Path | str, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _wait_healthy(
-    engine: Engine, url: str, spec: dict[str, Any], record_path: Path, log_path: Path, timeout_s: float
+    engine: Engine,
+    url: str,
+    spec: dict[str, Any],
+    record_path: Path,
+    log_path: Path,
+    timeout_s: float,
+    expected_name: str,
 ) -> None:
     configuration = spec["configuration"]
     deadline = time.monotonic() + timeout_s
@@ -296,7 +310,16 @@ def _wait_healthy(
             if record and record["status"] == "running":
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{url}{engine.health_path}").status_code == 200:
-                        return
+                        names = engine.served_names(client, url)
+                        if expected_name in names:
+                            return
+                        # Healthy, but not ours: another process answers on this port (another pipeline's
+                        # server, say). Measuring it would measure the wrong server, silently.
+                        raise ServerError(
+                            f"{url} answers, but as {names or 'an unnamed server'}, not as the server for "
+                            f"configuration '{configuration}' that servegrid just launched ({expected_name}): "
+                            "another process holds that port; it was not used"
+                        )
             if time.monotonic() > deadline:
                 raise ServerError(
                     f"the server for configuration '{configuration}' did not become healthy within "
@@ -306,9 +329,14 @@ def _wait_healthy(
             time.sleep(0.5)
 
 
-def _healthy(engine: Engine, url: str, spec: dict[str, Any]) -> bool:
+def _healthy(engine: Engine, record: dict[str, Any], spec: dict[str, Any]) -> bool:
+    """The recorded server answers its health check, and as itself (its launch's own name)."""
+    url = record["url"]
     try:
-        return httpx.get(f"{url}{engine.health_path}", timeout=5.0, headers=auth_headers(spec)).status_code == 200
+        with httpx.Client(timeout=5.0, headers=auth_headers(spec)) as client:
+            if client.get(f"{url}{engine.health_path}").status_code != 200:
+                return False
+            return identity(record["session"]) in engine.served_names(client, url)
     except httpx.HTTPError:
         return False
 

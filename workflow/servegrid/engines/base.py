@@ -61,9 +61,10 @@ class Engine(Protocol):
     def feature_flags(self, prefix_caching: bool, speculative: Mapping[str, Any] | None) -> list[str]:
         """The launch flags that turn the compared features on or off."""
 
-    def argv(self, command: Sequence[str], model: str, served_name: str, host: str, port: int,
+    def argv(self, command: Sequence[str], model: str, served_names: Sequence[str], host: str, port: int,
              args: Sequence[str]) -> list[str]:  # fmt: skip
-        """The server's full argv (never a shell string)."""
+        """The server's full argv (never a shell string). It answers to every name in ``served_names``: the
+        first is the one requests use, the others identify this launch (see :meth:`served_names`)."""
 
     def server_env(self, env: Mapping[str, str], gpus: Sequence[int], api_key: str | None) -> dict[str, str]:
         """Environment overrides for the server: ``env``, its devices and its API key."""
@@ -77,6 +78,10 @@ class Engine(Protocol):
     # ---- control plane (never timed) -------------------------------------------------------
     def warm_up(self, client: httpx.Client, url: str, model: str) -> None:
         """One unmeasured request (the first after start is slow); raise ServerError if it fails."""
+
+    def served_names(self, client: httpx.Client, url: str) -> list[str]:
+        """The names the server at ``url`` answers to (empty if it does not say): how servegrid knows that a
+        server is the one it launched, and not another process on the same port."""
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
         """Version, context limit and KV block size, as the running server reports them."""

@@ -144,7 +144,7 @@ class VLLMEngine:
         return flags
 
     def argv(
-        self, command: Sequence[str], model: str, served_name: str, host: str, port: int, args: Sequence[str]
+        self, command: Sequence[str], model: str, served_names: Sequence[str], host: str, port: int, args: Sequence[str]
     ) -> list[str]:
         return [
             *(part.replace("{model}", model) for part in command),
@@ -152,8 +152,8 @@ class VLLMEngine:
             host,
             "--port",
             str(port),
-            "--served-model-name",
-            served_name,
+            "--served-model-name",  # several names: /v1/models lists them all; metrics carry the first
+            *served_names,
             *args,
         ]
 
@@ -184,6 +184,11 @@ class VLLMEngine:
         )
         if response.status_code != 200:
             raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
+
+    def served_names(self, client: httpx.Client, url: str) -> list[str]:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            return [str(entry["id"]) for entry in client.get(f"{url}/v1/models").json()["data"]]
+        return []
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
         version = max_model_len = block_size = None

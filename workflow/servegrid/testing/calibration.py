@@ -118,12 +118,18 @@ BLOCK = calibration_dialect.KV_BLOCK_TOKENS
 
 class CalibrationServer:
     def __init__(
-        self, script: Script, model: str = "calibration", dialect: str = VLLM, api_key: str | None = None
+        self,
+        script: Script,
+        model: str = "calibration",
+        dialect: str = VLLM,
+        api_key: str | None = None,
+        aliases: list[str] | None = None,
     ) -> None:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
         self.script = script
         self.model = model
+        self.names = [model, *(aliases or [])]  # it answers to each, as vLLM with several served names
         self.dialect = dialect
         self.api_key = api_key
         self.vocab = Vocabulary()
@@ -188,10 +194,12 @@ class CalibrationServer:
         return web.json_response({"version": "calibration"})
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": self.model, "max_model_len": self.script.context_limit}]})
+        return web.json_response(
+            {"data": [{"id": name, "max_model_len": self.script.context_limit} for name in self.names]}
+        )
 
     async def info(self, _: web.Request) -> web.Response:
-        return web.json_response(calibration_dialect.info())
+        return web.json_response(calibration_dialect.info() | {"names": self.names})
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         ids: list[int] = []
@@ -389,7 +397,7 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
     parser.add_argument("--dialect", choices=DIALECTS, default=VLLM)
     if dialect == CALIBRATION:
         parser.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT")
-        parser.add_argument("--name", default="calibration", help="the served model's name")
+        parser.add_argument("--name", nargs="+", default=["calibration"], help="the served model's names")
         parser.add_argument("--model", help="ignored (the config's {model} placeholder lands here)")
         parser.add_argument(
             "--speculative-tokens", type=int, default=0, help="draft tokens per step (chunks of this + 1)"
@@ -397,7 +405,7 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
     else:
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8900)
-        parser.add_argument("--served-model-name", default="calibration")
+        parser.add_argument("--served-model-name", nargs="+", default=["calibration"])
     parser.add_argument("--ttft", type=float, default=0.02, help="seconds to the first chunk")
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between chunks")
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
@@ -425,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if dialect == CALIBRATION:
         args = parser.parse_args(argv)  # its own flags only: another engine's flag is an error here
         host, _, port = args.listen.rpartition(":")
-        model, api_key, speculative = (
+        names, api_key, speculative = (
             args.name,
             os.environ.get(calibration_dialect.API_KEY_VAR),
             args.speculative_tokens,
@@ -433,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         print(calibration_dialect.startup_line(), flush=True)
     else:
         args, _vllm_flags = parser.parse_known_args(argv)
-        host, port, model, api_key, speculative = args.host, args.port, args.served_model_name, None, 0
+        host, port, names, api_key, speculative = args.host, args.port, args.served_model_name, None, 0
     script = Script(
         ttft_s=args.ttft,
         interval_s=args.interval,
@@ -446,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         fail_with_status=args.fail_with,
         context_limit=args.context_limit,
     )
-    app = CalibrationServer(script, model=model, dialect=dialect, api_key=api_key).app()
+    app = CalibrationServer(script, model=names[0], aliases=names[1:], dialect=dialect, api_key=api_key).app()
     web.run_app(app, host=host.strip("[]"), port=int(port), access_log=None, print=None)
     return 0
 

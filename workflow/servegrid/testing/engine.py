@@ -69,11 +69,11 @@ class CalibrationEngine:
         return flags
 
     def argv(
-        self, command: Sequence[str], model: str, served_name: str, host: str, port: int, args: Sequence[str]
+        self, command: Sequence[str], model: str, served_names: Sequence[str], host: str, port: int, args: Sequence[str]
     ) -> list[str]:
         listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         command_argv = [part.replace("{model}", model) for part in command]
-        return [*command_argv, "--dialect", dialect.CALIBRATION, "--listen", listen, "--name", served_name, *args]
+        return [*command_argv, "--dialect", dialect.CALIBRATION, "--listen", listen, "--name", *served_names, *args]
 
     def server_env(self, env: Mapping[str, str], gpus: Sequence[int], api_key: str | None) -> dict[str, str]:
         # The calibration server has no devices: a configuration's GPUs only decide who may run beside whom.
@@ -93,6 +93,11 @@ class CalibrationEngine:
         response = client.post(f"{url}{self.completions_path}", json=self.completion_payload(model, [1, 2, 3], 2, 0.0))
         if response.status_code != 200:
             raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
+
+    def served_names(self, client: httpx.Client, url: str) -> list[str]:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            return list(client.get(f"{url}{PATHS['info']}").raise_for_status().json()["names"])
+        return []
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
