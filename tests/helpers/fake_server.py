@@ -4,7 +4,8 @@ It behaves like vLLM where the process manager cares: it forks a child in its
 own process group (as vLLM forks its engine core), serves /health, /version
 and a non-streaming /v1/completions for the warm-up, and logs a KV-cache line.
 Modes: ``--exit-at-start`` (bad argument), ``--never-healthy``,
-``--ignore-sigterm`` (needs SIGKILL), ``--answer-as NAME`` (not the server it was launched as).
+``--ignore-sigterm`` (needs SIGKILL), ``--answer-as NAME`` (not the server it was launched as),
+``--hang-after N`` (an engine stuck after N completions, its health check still 200).
 Measurements never use it.
 """
 
@@ -45,9 +46,15 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._json({"error": "not found"}, 404)
 
+    hang_after: int | None = None  # completions answered before the "engine" hangs (health stays 200)
+    answered = 0
+
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", 0))
         self.rfile.read(length)
+        Handler.answered += 1
+        if Handler.hang_after is not None and Handler.answered > Handler.hang_after:
+            time.sleep(3600)
         self._json({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
 
 
@@ -56,6 +63,7 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--served-model-name", nargs="+", default=["fake"])
+    parser.add_argument("--hang-after", type=int, help="completions answered before every later one hangs")
     parser.add_argument("--answer-as", help="list this name instead of its own, as another process on the port would")
     parser.add_argument("--exit-at-start", action="store_true")
     parser.add_argument("--never-healthy", action="store_true")
@@ -86,6 +94,7 @@ def main() -> int:
     time.sleep(args.startup_delay)
     print("CPU KV cache size: 12,345 tokens, Maximum concurrency for 4,096 tokens per request: 3.01x", flush=True)
     Handler.healthy = not args.never_healthy
+    Handler.hang_after = args.hang_after
     Handler.names = [args.answer_as] if args.answer_as else args.served_model_name
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
     return 0

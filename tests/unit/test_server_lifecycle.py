@@ -323,3 +323,14 @@ def test_a_healthy_server_that_is_not_the_one_launched_is_never_used(sandbox):
     with pytest.raises(ServerError, match=refused):
         server.ensure(fake_spec("fake", "--answer-as", "someone-else"), sandbox, owner=None)
     assert _group_alive(_record(sandbox, "fake")["pgid"]) == []  # and what was launched is stopped
+
+
+def test_a_hung_server_is_replaced_not_reused(sandbox):
+    """Health 200 but the engine stuck: the next cell gets a fresh server within the liveness timeout."""
+    sandbox.liveness_timeout_s = 1.0
+    spec = fake_spec("fake", "--hang-after", "1")  # the warm-up is answered, nothing after it
+    first = server.ensure(spec, sandbox, owner=None)
+    started = time.monotonic()
+    second = server.ensure(spec, sandbox, owner=None)
+    assert second.session != first.session
+    assert time.monotonic() - started < 10

@@ -125,9 +125,14 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
             record = state.read(state.record_path(runtime, configuration))
             facts = state.read(state.facts_path(runtime, configuration))
             if record and state.live(record):
-                if record["spec_hash"] == wanted and facts and _healthy(engine, record, spec):
+                if record["spec_hash"] != wanted or not facts:
+                    _stop_record(record, runtime, reason="replaced by a server with another spec")
+                elif _healthy(engine, record, spec) and _answers(engine, record, spec, runtime):
                     return ServerFacts(**facts)
-                _stop_record(record, runtime, reason="replaced by a server with another spec")
+                else:
+                    # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
+                    # handed to the next cell, whose every request would wait out its timeout.
+                    _stop_record(record, runtime, reason="not answering a tiny completion: replaced")
             _raise_if_failed_before(runtime, configuration, wanted, owner)
             rivals = [
                 r
@@ -327,6 +332,16 @@ def _wait_healthy(
                     f"Log: {log_path}\n--- last lines ---\n{log_tail(log_path)}"
                 )
             time.sleep(0.5)
+
+
+def _answers(engine: Engine, record: dict[str, Any], spec: dict[str, Any], runtime: Runtime) -> bool:
+    """The recorded server completes one tiny request within ``runtime.liveness_timeout_s``."""
+    try:
+        with httpx.Client(timeout=runtime.liveness_timeout_s, headers=auth_headers(spec)) as client:
+            engine.warm_up(client, record["url"], spec["served_name"])
+        return True
+    except (httpx.HTTPError, ServerError):
+        return False
 
 
 def _healthy(engine: Engine, record: dict[str, Any], spec: dict[str, Any]) -> bool:

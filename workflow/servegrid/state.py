@@ -40,6 +40,8 @@ class Runtime:
     port_range: tuple[int, int] = (8100, 8199)
     startup_timeout_s: float = 1800.0
     shutdown_timeout_s: float = 30.0
+    # A server to be reused must complete one tiny request within this: longer is a hung engine.
+    liveness_timeout_s: float = 60.0
     gpus: list[int] = field(default_factory=list)
     cpus: list[int] = field(default_factory=list)
     state_dir: str = paths.STATE_DIR
