@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,20 @@ import yaml
 from helpers import REPO, free_port_range
 from servegrid import server
 from servegrid.testing.calibration import RunningServer, Script
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_claims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The suite's own directory of host-wide port and GPU claims (servegrid.hostlocks): apart from any
+    real pipeline on this machine; inherited by every Snakemake and server the tests start."""
+    path = tmp_path_factory.mktemp("host-claims")
+    previous = os.environ.get("SERVEGRID_LOCK_DIR")
+    os.environ["SERVEGRID_LOCK_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("SERVEGRID_LOCK_DIR", None)
+    else:
+        os.environ["SERVEGRID_LOCK_DIR"] = previous
 
 
 @pytest.fixture

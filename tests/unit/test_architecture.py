@@ -24,12 +24,22 @@ def module_name(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """servegrid module → the servegrid modules it imports, anywhere in it (functions too)."""
+    """servegrid module → the servegrid modules it imports at run time, anywhere in it (functions too)."""
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
         edges = graph.setdefault(name, set())
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        # Imports for annotations only (if TYPE_CHECKING:) never run: not an edge.
+        typing_only = {
+            id(inner)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for inner in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -100,7 +100,7 @@ def test_no_free_port_is_reported(sandbox):
         blocker.listen()
         port = blocker.getsockname()[1]
         sandbox.port_range = (port, port)
-        with pytest.raises(ServerError, match=f"no free port on 127.0.0.1 in operations.port_range {port}"):
+        with pytest.raises(ServerError, match=f"no free port in operations.port_range {port}-{port}: each is in use"):
             server.ensure(fake_spec(), sandbox, owner=None)
 
 
@@ -334,3 +334,39 @@ def test_a_hung_server_is_replaced_not_reused(sandbox):
     second = server.ensure(spec, sandbox, owner=None)
     assert second.session != first.session
     assert time.monotonic() - started < 10
+
+
+def other_pipeline(sandbox, tmp_path, **changes):  # type: ignore[no-untyped-def]
+    """The runtime of a second pipeline on this host: its own state directory, the same host."""
+    import dataclasses
+
+    return dataclasses.replace(sandbox, state_dir=str(tmp_path / "other-state"), **changes)
+
+
+def test_two_pipelines_never_share_a_port(sandbox, tmp_path):
+    single = (sandbox.port_range[0], sandbox.port_range[0])
+    mine = other_pipeline(sandbox, tmp_path / "a", port_range=single)
+    theirs = other_pipeline(sandbox, tmp_path / "b", port_range=single)
+    try:
+        first = server.ensure(fake_spec(), mine, owner=None)
+        with pytest.raises(ServerError, match=r"no free port in operations.port_range .*claimed by another servegrid"):
+            server.ensure(fake_spec(), theirs, owner=None)
+        assert server.ensure(fake_spec(), mine, owner=None).session == first.session  # still there, still reused
+    finally:
+        server.stop_all(mine)
+        server.stop_all(theirs)
+
+
+def test_two_pipelines_never_share_a_gpu(sandbox, tmp_path):
+    mine = other_pipeline(sandbox, tmp_path / "a", gpus=[0])
+    theirs = other_pipeline(sandbox, tmp_path / "b", gpus=[0])
+    try:
+        server.ensure(fake_spec(), mine, owner=None)
+        with pytest.raises(ServerError, match=r"GPU 0 is in use by another servegrid pipeline's server \(servegrid "
+                           r"session \d{8}T\d{6}-\w+ of "):  # fmt: skip
+            server.ensure(fake_spec(), theirs, owner=None)
+        server.stop_all(mine)  # its supervisor ends: the kernel releases the claim
+        server.ensure(fake_spec(), theirs, owner=None)
+    finally:
+        server.stop_all(mine)
+        server.stop_all(theirs)

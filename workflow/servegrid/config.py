@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from servegrid import engines, modes, paths, redact
+from servegrid import checks, engines, modes, paths, redact
 from servegrid.errors import ConfigError
 from servegrid.schema import read_yaml, validate
 from servegrid.sections import (
@@ -95,7 +95,7 @@ class Experiment:
         self.validity: Validity = section(Validity, r["validity"])
         self.verdict = VerdictRules.from_config(r["verdict"])
         self.languages: list[str] = list(r["report"]["languages"])
-        self._check_semantics()
+        checks.check(self)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Experiment:
@@ -235,58 +235,6 @@ class Experiment:
     def longest_request(self, mode: str, context: int) -> int:
         """Prompt + output tokens of the longest request of a cell of ``mode`` at ``context``."""
         return modes.get(mode).request_tokens(context, self.workload(mode).settings)
-
-    def _check_context_limits(self) -> None:
-        """A cell whose requests cannot fit the server's context limit (where the config states it) is refused
-        now, not after a server started and every request came back HTTP 400."""
-        engine = engines.get(self.engine.kind)
-        for name, conf in self.configurations.items():
-            limit = engine.context_limit([*self.engine.args, *conf.args])
-            if limit is None:
-                continue
-            for mode, workload in self.workloads.items():
-                for context in workload.contexts:
-                    need = self.longest_request(mode, context)
-                    if need > limit:
-                        raise ConfigError(
-                            f"workloads.{mode}.contexts: at context {context} a request holds about {need} tokens, "
-                            f"more than the {limit} that configuration '{name}' allows "
-                            f"(its context limit in engine.args or configurations.{name}.args)"
-                        )
-
-    # ---- checks the schema cannot express ---------------------------------------------------------
-    def _check_semantics(self) -> None:
-        src = self.source
-        try:
-            if not any("{model}" in part for part in self.engine.command):
-                raise ConfigError("engine.command: needs a '{model}' placeholder where the model goes")
-            engines.get(self.engine.kind).check_config(
-                self.engine.args,
-                {f"configurations.{n}.args": c.args for n, c in self.configurations.items()},
-                {"engine.env": self.engine.env or {}}
-                | {f"configurations.{n}.env": c.env or {} for n, c in self.configurations.items()},
-                tiny_model=self.model.tiny is not None,
-            )
-            self._check_context_limits()
-            if self.model.tiny is not None:
-                from servegrid.model import check_replaceable
-
-                check_replaceable(self.model.path)  # before Snakemake could delete a real model's folder
-            if not self.workloads:
-                raise ConfigError("workloads: no workload mode is enabled")
-            from servegrid.catalogues import available_languages
-
-            missing = [lang for lang in self.languages if lang not in available_languages()]
-            if missing:
-                raise ConfigError(
-                    f"report.languages: no catalogue for {', '.join(missing)} "
-                    "(add report/locales/<language>/LC_MESSAGES/messages.po)"
-                )
-            low, high = self.operations.port_range
-            if low > high:
-                raise ConfigError(f"operations.port_range: {low} > {high}")
-        except ConfigError as exc:
-            raise ConfigError(f"{src}: {exc}") from None
 
 
 def canonical_json(obj: Any) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import psutil
 
-from servegrid import atomic, engines, hostinfo, paths, procs, redact, state
+from servegrid import atomic, engines, hostinfo, hostlocks, paths, procs, redact, state
 from servegrid.config import spec_hash
 from servegrid.engines import Engine
 from servegrid.errors import ServerError
@@ -162,21 +162,15 @@ def _raise_if_failed_before(runtime: Runtime, configuration: str, wanted: str, o
         raise ServerError(f"(failed earlier in this run, not retried)\n{failure['message']}")
 
 
-def _pick_port(runtime: Runtime) -> int:
-    taken = {r["port"] for r in state.records(runtime).values() if state.live(r)}
-    low, high = runtime.port_range
-    for port in range(low, high + 1):
-        if port in taken:
-            continue
-        with socket.socket(socket.AF_INET6 if ":" in runtime.host else socket.AF_INET) as probe:
-            # As uvicorn binds: a port in TIME_WAIT from the previous server is free to take.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((runtime.host, port))
-            except OSError:
-                continue
-        return port
-    raise ServerError(f"no free port on {runtime.host} in operations.port_range {low}-{high}")
+def _port_bindable(runtime: Runtime, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in runtime.host else socket.AF_INET) as probe:
+        # As uvicorn binds: a port in TIME_WAIT from the previous server is free to take.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((runtime.host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _refuse_if_owner_gone(owner: procs.ProcessRef | None) -> None:
@@ -191,54 +185,59 @@ def _start(
     _refuse_if_owner_gone(owner)
     hostinfo.check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
     hostinfo.check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
-    port = _pick_port(runtime)
     session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    log_dir = Path(paths.server_log_dir(configuration))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{session}.log"
-    argv, env = _argv_and_env(spec, runtime, port, session)
-    url_host = f"[{runtime.host}]" if ":" in runtime.host else runtime.host
-    url = f"http://{url_host}:{port}"
-    record_path = state.record_path(runtime, configuration)
-    launch = {
-        "session": session,
-        "configuration": configuration,
-        "spec_hash": wanted,
-        "argv": argv,
-        "cwd": os.path.abspath(runtime.cwd),
-        "url": url,
-        "port": port,
-        "gpus": runtime.gpus,
-        "cpus": runtime.cpus,
-        "log_path": str(log_path),
-        "record_path": str(record_path),
-        "owner": owner.to_dict() if owner else None,
-        "shutdown_timeout_s": runtime.shutdown_timeout_s,
-    }
-    launch_path = state.launch_path(runtime, configuration)
-    # The environment (API key included) goes to the supervisor in its own environment, never on disk;
-    # the launch file is owner-only all the same.
-    with atomic.atomic_path(launch_path) as tmp:
-        tmp.write_text(json.dumps(launch), encoding="utf-8")
-        os.chmod(tmp, 0o600)
-    record_path.unlink(missing_ok=True)
-    state.facts_path(runtime, configuration).unlink(missing_ok=True)
-    state.failure_path(runtime, configuration).unlink(missing_ok=True)
+    ports = range(runtime.port_range[0], runtime.port_range[1] + 1)
+    holder = f"servegrid session {session} of {os.path.abspath(runtime.cwd)}"
+    # Host-wide claims on the port and the GPUs, held by the supervisor for the server's lifetime, so
+    # that no other servegrid pipeline on this machine takes either.
+    with hostlocks.claims(runtime.gpus, ports, lambda port: _port_bindable(runtime, port), holder) as (port, fds):
+        log_dir = Path(paths.server_log_dir(configuration))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{session}.log"
+        argv, env = _argv_and_env(spec, runtime, port, session)
+        url_host = f"[{runtime.host}]" if ":" in runtime.host else runtime.host
+        url = f"http://{url_host}:{port}"
+        record_path = state.record_path(runtime, configuration)
+        launch = {
+            "session": session,
+            "configuration": configuration,
+            "spec_hash": wanted,
+            "argv": argv,
+            "cwd": os.path.abspath(runtime.cwd),
+            "url": url,
+            "port": port,
+            "gpus": runtime.gpus,
+            "cpus": runtime.cpus,
+            "log_path": str(log_path),
+            "record_path": str(record_path),
+            "owner": owner.to_dict() if owner else None,
+            "shutdown_timeout_s": runtime.shutdown_timeout_s,
+        }
+        launch_path = state.launch_path(runtime, configuration)
+        # The environment (API key included) goes to the supervisor in its own environment, never on disk;
+        # the launch file is owner-only all the same.
+        with atomic.atomic_path(launch_path) as tmp:
+            tmp.write_text(json.dumps(launch), encoding="utf-8")
+            os.chmod(tmp, 0o600)
+        record_path.unlink(missing_ok=True)
+        state.facts_path(runtime, configuration).unlink(missing_ok=True)
+        state.failure_path(runtime, configuration).unlink(missing_ok=True)
 
-    started = time.monotonic()
-    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    with open(log_dir / f"{session}.supervisor.log", "ab") as sup_log:
-        subprocess.Popen(
-            [sys.executable, "-m", "servegrid.supervisor", str(launch_path)],
-            # The server's environment, inherited by it from its supervisor, and the session that marks
-            # every process of it (procs.SESSION_ENV): what a later stop checks before it signals.
-            env={**os.environ, **env, procs.SESSION_ENV: session},
-            stdin=subprocess.DEVNULL,
-            stdout=sup_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-        )
+        started = time.monotonic()
+        started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        with open(log_dir / f"{session}.supervisor.log", "ab") as sup_log:
+            subprocess.Popen(
+                [sys.executable, "-m", "servegrid.supervisor", str(launch_path)],
+                # The server's environment, inherited by it from its supervisor, and the session that marks
+                # every process of it (procs.SESSION_ENV): what a later stop checks before it signals.
+                env={**os.environ, **env, procs.SESSION_ENV: session},
+                stdin=subprocess.DEVNULL,
+                stdout=sup_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=fds,  # the claims: released by the kernel when the supervisor ends
+            )
     try:
         _wait_healthy(engine, url, spec, record_path, log_path, runtime.startup_timeout_s, identity(session))
         startup_s = time.monotonic() - started

@@ -1,0 +1,65 @@
+"""The checks the config schema cannot express, run on every :class:`~servegrid.config.Experiment`
+before anything else: each failure is a :class:`ConfigError` naming the key."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from servegrid import engines
+from servegrid.errors import ConfigError
+
+if TYPE_CHECKING:  # the Experiment calls these checks on itself
+    from servegrid.config import Experiment
+
+
+def check(experiment: Experiment) -> None:
+    src = experiment.source
+    try:
+        if not any("{model}" in part for part in experiment.engine.command):
+            raise ConfigError("engine.command: needs a '{model}' placeholder where the model goes")
+        engines.get(experiment.engine.kind).check_config(
+            experiment.engine.args,
+            {f"configurations.{n}.args": c.args for n, c in experiment.configurations.items()},
+            {"engine.env": experiment.engine.env or {}}
+            | {f"configurations.{n}.env": c.env or {} for n, c in experiment.configurations.items()},
+            tiny_model=experiment.model.tiny is not None,
+        )
+        _context_limits(experiment)
+        if experiment.model.tiny is not None:
+            from servegrid.model import check_replaceable
+
+            check_replaceable(experiment.model.path)  # before Snakemake could delete a real model's folder
+        if not experiment.workloads:
+            raise ConfigError("workloads: no workload mode is enabled")
+        from servegrid.catalogues import available_languages
+
+        missing = [lang for lang in experiment.languages if lang not in available_languages()]
+        if missing:
+            raise ConfigError(
+                f"report.languages: no catalogue for {', '.join(missing)} "
+                "(add report/locales/<language>/LC_MESSAGES/messages.po)"
+            )
+        low, high = experiment.operations.port_range
+        if low > high:
+            raise ConfigError(f"operations.port_range: {low} > {high}")
+    except ConfigError as exc:
+        raise ConfigError(f"{src}: {exc}") from None
+
+
+def _context_limits(experiment: Experiment) -> None:
+    """A cell whose requests cannot fit the server's context limit (where the config states it) is refused
+    now, not after a server started and every request came back HTTP 400."""
+    engine = engines.get(experiment.engine.kind)
+    for name, conf in experiment.configurations.items():
+        limit = engine.context_limit([*experiment.engine.args, *conf.args])
+        if limit is None:
+            continue
+        for mode, workload in experiment.workloads.items():
+            for context in workload.contexts:
+                need = experiment.longest_request(mode, context)
+                if need > limit:
+                    raise ConfigError(
+                        f"workloads.{mode}.contexts: at context {context} a request holds about {need} tokens, "
+                        f"more than the {limit} that configuration '{name}' allows "
+                        f"(its context limit in engine.args or configurations.{name}.args)"
+                    )

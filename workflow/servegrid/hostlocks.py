@@ -1,0 +1,85 @@
+"""Host-wide claims on ports and GPUs, shared by every servegrid pipeline on the machine.
+
+Each pipeline keeps its server state under its own ``results/``, so two pipelines in
+two directories would each pick a "free" port or GPU on their own, and one could
+start a server on the other's GPU. A claim is an ``flock`` on a file in one directory
+outside any project (``$SERVEGRID_LOCK_DIR``, else ``$XDG_RUNTIME_DIR/servegrid``,
+else ``/tmp/servegrid-<uid>``). The server's supervisor inherits the locked file
+descriptors and holds them for the server's lifetime, so the kernel releases them
+when the supervisor ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from servegrid.errors import ServerError
+
+
+def lock_dir() -> Path:
+    explicit = os.environ.get("SERVEGRID_LOCK_DIR")
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if explicit:
+        path = Path(explicit)
+    elif runtime_dir:
+        path = Path(runtime_dir) / "servegrid"
+    else:
+        path = Path(tempfile.gettempdir()) / f"servegrid-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def _try_claim(name: str, holder: str) -> int | None:
+    """An fd holding the claim ``name``, or None when another process holds it."""
+    fd = os.open(lock_dir() / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, holder.encode())  # who holds it, for the error another pipeline gets
+    return fd
+
+
+def _holder(name: str) -> str:
+    with contextlib.suppress(OSError):
+        return (lock_dir() / f"{name}.lock").read_text(encoding="utf-8") or "another process"
+    return "another process"
+
+
+@contextlib.contextmanager
+def claims(gpus: Sequence[int], ports: Sequence[int], port_free: Callable[[int], bool], holder: str) -> Iterator[
+    tuple[int, list[int]]
+]:  # fmt: skip
+    """Claim every GPU of ``gpus`` and the first port of ``ports`` that no pipeline claims and
+    ``port_free`` accepts; yields ``(port, fds)``. The fds are closed on exit: pass them to the
+    process that must keep the claims (``subprocess.Popen(pass_fds=...)``) before that."""
+    held: list[int] = []
+    try:
+        for gpu in gpus:
+            fd = _try_claim(f"gpu{gpu}", holder)
+            if fd is None:
+                raise ServerError(
+                    f"GPU {gpu} is in use by another servegrid pipeline's server ({_holder(f'gpu{gpu}')})"
+                )
+            held.append(fd)
+        for port in ports:
+            fd = _try_claim(f"port{port}", holder)
+            if fd is None:
+                continue
+            if port_free(port):
+                held.append(fd)
+                yield port, held
+                return
+            os.close(fd)
+        raise ServerError(f"no free port in operations.port_range {ports[0]}-{ports[-1]}: each is in use on this "
+                          "host or claimed by another servegrid pipeline")  # fmt: skip
+    finally:
+        for fd in held:
+            os.close(fd)
