@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -119,6 +120,27 @@ def test_a_cell_longer_than_the_servers_context_limit_fails_before_measuring(san
                        r"tokens, more than the 300 the running server accepts"):  # fmt: skip
         run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     assert not os.path.exists(cell.path)
+
+
+def test_a_server_that_hangs_mid_cell_fails_the_cell_at_a_deadline_from_its_work_and_is_not_reused(sandbox):
+    """Health stays 200 while the stream stops: the cell fails after 10 × its warm-up × its sessions
+    (floored at operations.stall_floor_s), not after request_timeout_s, and its server is stopped."""
+    from servegrid import server
+    from servegrid.errors import CellStalled
+
+    raw = calibration_experiment().raw
+    # Requests 1 and 2 are the server's and the cell's warm-ups; the first measured one stalls.
+    raw["configurations"] = {"hangs": {"label": "hangs", "prefix_caching": True, "args": ["--stall-from-request", "3"]}}
+    raw["operations"].update(stall_floor_s=1, request_timeout_s=300)
+    experiment = Experiment(raw)
+    (cell,) = [c for c in experiment.cells("hangs") if c.mode == "decode"]
+    started = time.monotonic()
+    with pytest.raises(CellStalled, match=r"hangs/decode/ctx64_c2: the server made no progress for \d+ s with requests"
+                       r" in flight \(limit \d+ s, from this cell's warm-up\): stopped, not reused"):  # fmt: skip
+        run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    assert time.monotonic() - started < 30  # not the 300 s of request_timeout_s
+    assert not os.path.exists(cell.path)
+    assert [row["alive"] for row in server.status(sandbox)] == [False]
 
 
 def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):

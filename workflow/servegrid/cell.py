@@ -17,10 +17,10 @@ from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import engines, hostinfo, metrics, modes, procs, records, server
 from servegrid.client import Streamer, streaming_session
-from servegrid.client_monitor import ClientMonitor, CollectorPause
+from servegrid.client_monitor import ClientMonitor, CollectorPause, StallGuard, stall_limit_s
 from servegrid.config import Cell, Experiment, Operations
 from servegrid.engines import Engine
-from servegrid.errors import CellError
+from servegrid.errors import CellError, CellStalled
 from servegrid.modes import WorkloadContext
 from servegrid.prompts import PromptBuilder
 from servegrid.request_record import RequestRecord
@@ -94,7 +94,17 @@ async def measure(
                 )
                 state: dict[str, Any] = {}
 
-                async def begin_measurement(state: dict[str, Any] = state, streamer: Streamer = ctx.streamer) -> None:
+                guard = StallGuard(ctx.streamer)
+
+                async def begin_measurement(
+                    state: dict[str, Any] = state,
+                    streamer: Streamer = ctx.streamer,
+                    guard: StallGuard = guard,
+                    records: list[RequestRecord] = ctx.records,
+                ) -> None:
+                    warmups = [r for r in records if r.phase == "warmup"]
+                    limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, operations.request_timeout_s)
+                    guard.start(state["work"], limit)
                     await streamer.open_connections(concurrency, engine.health_path)
                     state["before"] = await metrics.scrape(client, url, engine, model)
                     state["t0_ns"] = time.monotonic_ns()
@@ -103,9 +113,18 @@ async def measure(
                     monitor.start()
                     collector.start()
 
+                state["work"] = work = asyncio.ensure_future(mode.run(ctx, begin_measurement))
                 try:
-                    await mode.run(ctx, begin_measurement)
+                    await work
+                except asyncio.CancelledError:
+                    if guard.stalled_s is None:
+                        raise
+                    raise CellStalled(
+                        f"the server made no progress for {guard.stalled_s:.0f} s with requests in flight "
+                        f"(limit {guard.limit_s:.0f} s, from this cell's warm-up): stopped, not reused"
+                    ) from None
                 finally:
+                    await guard.stop()
                     collector.stop()
                     await monitor.stop()
                     await sampler.stop()
@@ -208,6 +227,13 @@ def _run_cell(
             request_records, measured = run_loop(
                 measure(settings, engine, facts.url, spec["served_name"], experiment.operations, headers)
             )
+        except CellStalled as exc:
+            # Hung: the next cell must not get it. The lease is this cell's, so stop it here.
+            server.discard(cell.configuration, runtime, reason=f"cell {cell.id} stalled")
+            raise CellStalled(
+                f"cell {cell.id}: {exc}\n"
+                f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
+            ) from None
         except httpx.HTTPError as exc:
             raise CellError(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"

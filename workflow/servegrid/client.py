@@ -164,12 +164,15 @@ class Streamer:
         self.base_url = base_url.rstrip("/")
         self.pacer = StartPacer()
         self._pending: list[tuple[bytes, list[tuple[int, int]], RequestRecord]] = []
+        self.in_flight = 0  # requests sent and not yet ended (client_monitor.StallGuard reads these two)
+        self.last_sent_ns = 0
 
     async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord, decode: bool = True) -> None:
         """POST ``payload`` (a complete streaming request, as the engine builds it) to ``path``."""
         body = orjson.dumps(payload)
         await self.pacer.turn()
-        record.sent_ns = time.monotonic_ns()
+        record.sent_ns = self.last_sent_ns = time.monotonic_ns()
+        self.in_flight += 1
         try:
             async with self.session.post(self.base_url + path, data=body, headers=_JSON) as response:
                 record.http_status = response.status
@@ -181,6 +184,8 @@ class Streamer:
             record.end_ns = time.monotonic_ns()
             record.error = f"{type(exc).__name__}: {exc}"[:1000]
             return
+        finally:
+            self.in_flight -= 1
         record.end_ns = reads[-1][0] if reads else time.monotonic_ns()
         if record.http_status != 200:
             record.error = f"HTTP {record.http_status}: {raw[:1000].decode('utf-8', 'replace')}"
@@ -188,6 +193,10 @@ class Streamer:
             decode_into(raw, reads, record)
         else:
             self._pending.append((raw, reads, record))
+
+    def last_progress_ns(self) -> int:
+        """When a request was last sent or a byte of a stream in flight last arrived."""
+        return max([self.last_sent_ns, *(stamps[-1][0] for stamps in self.reads.values() if stamps)])
 
     async def open_connections(self, count: int, path: str) -> None:
         """Fill the keep-alive pool with ``count`` connections (``GET path`` on each: a cheap endpoint,

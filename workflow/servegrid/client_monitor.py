@@ -3,7 +3,8 @@
 :class:`CollectorPause` keeps Python's cyclic garbage collector from holding the
 event loop while streams are timed; :class:`ClientMonitor` measures how late
 the loop ran and how busy the client was, so that a cell whose client was the
-bottleneck is flagged rather than trusted.
+bottleneck is flagged rather than trusted; :class:`StallGuard` ends a measured
+phase whose server stopped making progress.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import asyncio
 import contextlib
 import gc
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 
 from servegrid import stats
+from servegrid.request_record import RequestRecord
+
+if TYPE_CHECKING:
+    from servegrid.client import Streamer
 
 
 class CollectorPause:
@@ -92,3 +98,52 @@ class ClientMonitor:
             "loop_lag_max_s": max(self.lags) if self.lags else None,
             "cpu_fraction": self._cpu_total / self._wall_total if self._wall_total > 0 else None,
         }
+
+
+class StallGuard:
+    """Ends a measured phase that makes no progress: nothing sent and no byte read on any stream for
+    ``limit_s`` while requests are in flight (an engine that hangs while its health check still says 200).
+
+    ``limit_s`` is set from the cell's own work when measuring begins (:func:`stall_limit_s`); the work
+    task is cancelled, and :attr:`stalled_s` says for how long nothing had moved.
+    """
+
+    def __init__(self, streamer: Streamer, interval_s: float = 0.5) -> None:
+        self.streamer = streamer
+        self.interval_s = interval_s
+        self.limit_s = float("inf")
+        self.stalled_s: float | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self, work: asyncio.Future, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._task = asyncio.get_running_loop().create_task(self._watch(work))
+
+    async def _watch(self, work: asyncio.Future) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            quiet_s = (time.monotonic_ns() - self.streamer.last_progress_ns()) / 1e9
+            if self.streamer.in_flight and quiet_s > self.limit_s:
+                self.stalled_s = quiet_s
+                work.cancel()
+                return
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+STALL_FACTOR = 10
+
+
+def stall_limit_s(warmups: list[RequestRecord], concurrency: int, floor_s: float, fallback_s: float) -> float:
+    """How long a cell may go without progress: 10 × its slowest warm-up request (a request of the same
+    shape, on the same server, just before) × its sessions (a request may wait behind the others'),
+    at least ``floor_s``. Without a completed warm-up: ``fallback_s`` (the request timeout)."""
+    done = [(r.end_ns - r.sent_ns) / 1e9 for r in warmups if r.end_ns and r.sent_ns and not r.error]
+    if not done:
+        return fallback_s
+    return max(floor_s, STALL_FACTOR * max(done) * concurrency)

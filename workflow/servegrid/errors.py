@@ -11,6 +11,7 @@ else is a bug and keeps its traceback.
     │   └── UnknownModeError   a workload mode no module registered
     ├── ServerError        an inference server: start-up, health, identity, teardown
     ├── CellError          a cell could not be measured; nothing was written
+    │   └── CellStalled        its server stopped making progress: it is stopped, never reused
     ├── CellFileError      a cell file cannot be read back
     └── ReportError        figures or a report could not be built
 """
@@ -47,6 +48,10 @@ class ServerError(ServegridError):
 
 class CellError(ServegridError):
     """The cell could not be measured; nothing was written."""
+
+
+class CellStalled(CellError):
+    """The server made no progress for longer than the cell's work allows: hung, and stopped."""
 
 
 class CellFileError(ServegridError):

@@ -77,6 +77,7 @@ class Operations:
     shutdown_timeout_s: float
     metrics_interval_s: float
     log_level: str
+    stall_floor_s: float = 30.0
 
 
 @dataclass(frozen=True)

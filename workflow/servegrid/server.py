@@ -41,7 +41,18 @@ from servegrid.engines import Engine
 from servegrid.errors import ServerError
 from servegrid.state import Runtime, ServerFacts, lease
 
-__all__ = ["OWNER_ENV", "Runtime", "ServerFacts", "ensure", "launch_command", "lease", "status", "stop", "stop_all"]
+__all__ = [
+    "OWNER_ENV",
+    "Runtime",
+    "ServerFacts",
+    "discard",
+    "ensure",
+    "launch_command",
+    "lease",
+    "status",
+    "stop",
+    "stop_all",
+]
 
 OWNER_ENV = "SERVEGRID_OWNER_PID"
 LOG_TAIL_LINES = 40
@@ -387,6 +398,17 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
 def stop(configuration: str, runtime: Runtime, reason: str = "last cell done") -> list[dict[str, Any]]:
     """Stop the server of ``configuration`` if one is up, once no cell uses it; returns what was done."""
     with lease(configuration, runtime), state.locked(runtime):
+        record = state.read(state.record_path(runtime, configuration))
+        if not record:
+            return []
+        outcome = _stop_record(record, runtime, reason)
+        state.facts_path(runtime, configuration).unlink(missing_ok=True)
+        return [outcome]
+
+
+def discard(configuration: str, runtime: Runtime, reason: str) -> list[dict[str, Any]]:
+    """Stop the server of ``configuration`` now, for a caller that holds its lease (a cell that found it hung)."""
+    with state.locked(runtime):
         record = state.read(state.record_path(runtime, configuration))
         if not record:
             return []

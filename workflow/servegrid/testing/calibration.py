@@ -69,6 +69,7 @@ class Script:
     fail_with_status: int = 0  # answer every generation request with this HTTP status
     legacy_metric_names: bool = False  # the vLLM dialect's names before vLLM 0.11
     context_limit: int = calibration_dialect.CONTEXT_LIMIT  # what /v1/models reports as max_model_len
+    stall_from_request: int = 0  # fault: from this request on (1-based), stream one chunk, then hang; 0: never
 
     @property
     def chunk_tokens(self) -> int:
@@ -302,6 +303,7 @@ class CalibrationServer:
             message = f"'{calibration_dialect.OUTPUT_TOKENS_FIELD}' (a positive integer) is required"
             return web.json_response({"error": {"message": message}}, status=400)
         self.counters.requests += 1
+        stalls = bool(s.stall_from_request) and self.counters.requests >= s.stall_from_request
         self.counters.running += 1
         self._count_prefix_hits(ids)
         self.counters.prompt_tokens += len(ids)
@@ -315,6 +317,8 @@ class CalibrationServer:
         try:
             while produced < n_out:
                 take = min(s.chunk_tokens, n_out - produced)
+                if stalls and produced:
+                    await asyncio.sleep(3600)  # an engine stuck mid-stream, its health check still 200
                 await _sleep_until(due)
                 produced += take
                 sent = time.monotonic_ns()
@@ -412,6 +416,8 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
     parser.add_argument("--jitter", type=float, default=0.0)
     parser.add_argument("--context-limit", type=int, default=calibration_dialect.CONTEXT_LIMIT,
                         help="the longest request it says it accepts")  # fmt: skip
+    parser.add_argument("--stall-from-request", type=int, default=0,
+                        help="fault: from this request on (1-based), one chunk and then nothing")  # fmt: skip
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefix caching off: never a cache hit")
     parser.add_argument("--prompt-tokens-offset", type=int, default=0, help="fault: misreport usage.prompt_tokens")
     parser.add_argument("--completion-tokens-offset", type=int, default=0, help="fault: misreport the output")
@@ -453,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_cache=not args.no_prefix_cache,
         fail_with_status=args.fail_with,
         context_limit=args.context_limit,
+        stall_from_request=args.stall_from_request,
     )
     app = CalibrationServer(script, model=names[0], aliases=names[1:], dialect=dialect, api_key=api_key).app()
     web.run_app(app, host=host.strip("[]"), port=int(port), access_log=None, print=None)
