@@ -397,13 +397,8 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
 
 def stop(configuration: str, runtime: Runtime, reason: str = "last cell done") -> list[dict[str, Any]]:
     """Stop the server of ``configuration`` if one is up, once no cell uses it; returns what was done."""
-    with lease(configuration, runtime), state.locked(runtime):
-        record = state.read(state.record_path(runtime, configuration))
-        if not record:
-            return []
-        outcome = _stop_record(record, runtime, reason)
-        state.facts_path(runtime, configuration).unlink(missing_ok=True)
-        return [outcome]
+    with lease(configuration, runtime):
+        return discard(configuration, runtime, reason)
 
 
 def discard(configuration: str, runtime: Runtime, reason: str) -> list[dict[str, Any]]:
