@@ -22,6 +22,7 @@ def host_claims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The suite's own directory of host-wide port and GPU claims (servegrid.hostlocks): apart from any
     real pipeline on this machine; inherited by every Snakemake and server the tests start."""
     path = tmp_path_factory.mktemp("host-claims")
+    path.chmod(0o700)  # servegrid uses only a claims directory that is this user's alone
     previous = os.environ.get("SERVEGRID_LOCK_DIR")
     os.environ["SERVEGRID_LOCK_DIR"] = str(path)
     yield path

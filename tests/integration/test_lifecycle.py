@@ -49,7 +49,10 @@ def workdir(tmp_path):  # type: ignore[no-untyped-def]
 
 
 def test_keep_going_past_a_broken_server_and_a_failed_cell(workdir):
-    raw = demo_config(decode={"contexts": [256, 9000], "concurrency": [1], "output_tokens": 16})
+    raw = demo_config(decode={"contexts": [256, 40000], "concurrency": [1], "output_tokens": 16})
+    # No --max-model-len in the config, so that only the running server can tell that 40,000 tokens do not
+    # fit (the tiny model's 32,768 positions); with it in the config, the config itself is refused.
+    raw["engine"]["args"] = ["--load-format", "dummy"]
     raw["configurations"] = {
         "broken": {"label": "broken", "prefix_caching": True, "args": ["--no-such-flag"]},
         "prefix_cache": raw["configurations"]["prefix_cache"],
@@ -59,11 +62,11 @@ def test_keep_going_past_a_broken_server_and_a_failed_cell(workdir):
     output = result.stdout + result.stderr
     assert result.returncode != 0
     cells = workdir / "results" / "cells"
-    # The healthy configuration still ran; the 9000-token cell exceeds max-model-len 8192: every request failed.
+    # The healthy configuration still ran; the 40,000-token cell exceeds the server's context: refused unmeasured.
     assert (cells / "prefix_cache" / "decode" / "ctx256_c1.parquet").exists()
-    assert not (cells / "prefix_cache" / "decode" / "ctx9000_c1.parquet").exists()
+    assert not (cells / "prefix_cache" / "decode" / "ctx40000_c1.parquet").exists()
     assert not list(cells.glob("broken/**/*.parquet"))
-    logs = [(workdir / f"results/logs/cells/broken/decode/ctx{c}_c1.log").read_text() for c in (256, 9000)]
+    logs = [(workdir / f"results/logs/cells/broken/decode/ctx{c}_c1.log").read_text() for c in (256, 40000)]
     for log in logs:  # whichever cell ran first started the server; the other did not retry
         assert "exited during start-up" in log
         assert "unrecognized arguments: --no-such-flag" in log  # the server log's tail
@@ -71,8 +74,9 @@ def test_keep_going_past_a_broken_server_and_a_failed_cell(workdir):
     assert sum("failed earlier in this run, not retried" in log for log in logs) == 1
     seconds = float(re.search(r"after ([\d.]+) s\)", logs[0])[1])
     assert seconds < 60  # vLLM parses its arguments after importing torch: about 10 s here
-    too_long_log = (workdir / "results/logs/cells/prefix_cache/decode/ctx9000_c1.log").read_text()
-    assert re.search(r"all \d+ measured requests failed; the first: HTTP 400", too_long_log)
+    too_long_log = (workdir / "results/logs/cells/prefix_cache/decode/ctx40000_c1.log").read_text()
+    assert re.search(r"at context 40000 a request holds about 40016 tokens, more than the 32768 the running "
+                     r"server accepts", too_long_log)  # fmt: skip
     assert "Error in rule cell" in output
     assert wait_for(lambda: not leftovers(workdir), 30)
 

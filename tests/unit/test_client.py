@@ -222,6 +222,8 @@ def test_a_silent_server_fails_the_request_on_the_read_timeout(calibration):
         (b'"text"', "not an object"),
         (b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": "3"}}', "not an integer"),
         (b'{"choices": ["a"], "usage": {"completion_tokens": 1}}', "malformed SSE event"),
+        (b'{"choices": [{"text": "a"}], "usage": {"prompt_tokens": "4", "completion_tokens": 2}}', "not an integer"),
+        (b'{"choices": [{"text": 5}], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}', "not a string"),
         (b"{not json", "malformed SSE event"),
     ],
 )

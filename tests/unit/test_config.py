@@ -213,3 +213,11 @@ def test_a_cell_that_cannot_fit_the_context_limit_is_refused_before_any_server_s
         ConfigError, match=r"workloads\.multi_turn\.contexts: at context 1024 a request holds about 2080"
     ):
         Experiment(raw)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path, repo):
+    text = (repo / "config" / "cpu-demo.yaml").read_text()
+    text = text.replace("configurations:\n  prefix_cache:\n", "configurations:\n  prefix_cache: &base\n", 1)
+    text = text.replace("  ngram:\n", "  ngram:\n    <<: *base\n", 1)
+    (tmp_path / "merge.yaml").write_text(text)
+    assert Experiment.from_file(tmp_path / "merge.yaml").configurations["ngram"].speculative["method"] == "ngram"

@@ -370,3 +370,30 @@ def test_two_pipelines_never_share_a_gpu(sandbox, tmp_path):
     finally:
         server.stop_all(mine)
         server.stop_all(theirs)
+
+
+def test_a_claims_directory_that_is_not_the_users_alone_is_refused(tmp_path, monkeypatch):
+    from servegrid import hostlocks
+
+    shared = tmp_path / "claims"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as another user's, or a careless one, in a shared /tmp
+    monkeypatch.setenv("SERVEGRID_LOCK_DIR", str(shared))
+    with pytest.raises(
+        ServerError, match=r"host-wide claims: .*claims is not a directory of this user's with mode 0700"
+    ):
+        hostlocks.lock_dir()
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    monkeypatch.setenv("SERVEGRID_LOCK_DIR", str(link))
+    with pytest.raises(ServerError, match="host-wide claims"):
+        hostlocks.lock_dir()
+
+
+def test_a_server_that_exited_while_its_supervisor_winds_down_is_replaced(sandbox):
+    """The server gone, its supervisor not yet: the next cell waits it out instead of failing on its claims."""
+    first = server.ensure(fake_spec("fake"), sandbox, owner=None)
+    record = _record(sandbox, "fake")
+    os.kill(record["server"]["pid"], signal.SIGKILL)  # its engine child lives on: the supervisor must clean up
+    second = server.ensure(fake_spec("fake"), sandbox, owner=None)
+    assert second.session != first.session

@@ -112,7 +112,9 @@ def cmd_cell_run(experiment: Experiment, args: argparse.Namespace) -> int:
     out = args.out or cell.path
     runtime = _runtime(experiment, cell.configuration)
     try:
-        meta = run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()))
+        # Owned by this command unless it is to stay up (then 'servegrid server down' stops it).
+        owner = None if args.keep_server else procs.ProcessRef.of(os.getpid())
+        meta = run_cell(experiment, cell, out, owner=owner)
     finally:
         if not args.keep_server:
             server.stop(cell.configuration, runtime, reason="servegrid cell run finished")

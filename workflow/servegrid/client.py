@@ -252,15 +252,21 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
             record.error = f"stream error: {json.dumps(event['error'])[:500]}"
             continue
         for choice in event.get("choices") or ():
-            text_parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if not isinstance(piece, str):
+                raise ValueError(f"a choice's text is {piece!r}, not a string")
+            text_parts.append(piece)
             if choice.get("finish_reason"):
-                record.finish_reason = choice["finish_reason"]
+                record.finish_reason = str(choice["finish_reason"])
         usage = event.get("usage") or {}
         completion = usage.get("completion_tokens")
         if completion is None:  # absent or null: this event says nothing about tokens
             continue
         if not isinstance(completion, int) or isinstance(completion, bool):
             raise ValueError(f"usage.completion_tokens is {completion!r}, not an integer")
+        prompt_tokens = usage.get("prompt_tokens")
+        if prompt_tokens is not None and (not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool)):
+            raise ValueError(f"usage.prompt_tokens is {prompt_tokens!r}, not an integer")
         new_tokens = completion - tokens_so_far
         tokens_so_far = completion
         record.prompt_tokens_reported = usage.get("prompt_tokens")
@@ -268,6 +274,6 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
         if new_tokens > 0:
             record.chunk_ns.append(reads[bisect.bisect_left(received, end)][0])
             record.chunk_tokens.append(new_tokens)
-            if "servegrid_sent_ns" in event:
+            if isinstance(event.get("servegrid_sent_ns"), int):  # the calibration server's own stamp
                 record.chunk_server_ns.append(event["servegrid_sent_ns"])
     record.text = "".join(text_parts)

@@ -3,10 +3,12 @@
 Each pipeline keeps its server state under its own ``results/``, so two pipelines in
 two directories would each pick a "free" port or GPU on their own, and one could
 start a server on the other's GPU. A claim is an ``flock`` on a file in one directory
-outside any project (``$SERVEGRID_LOCK_DIR``, else ``$XDG_RUNTIME_DIR/servegrid``,
-else ``/tmp/servegrid-<uid>``). The server's supervisor inherits the locked file
-descriptors and holds them for the server's lifetime, so the kernel releases them
-when the supervisor ends, however it ends.
+outside any project, the same for every pipeline of a user on this host
+(``$SERVEGRID_LOCK_DIR``, else ``/tmp/servegrid-locks-<uid>``; it must be the user's
+own, mode 0700, not a link). The server's supervisor inherits the locked file
+descriptors and holds them while it supervises the server, so the kernel releases
+them when the supervisor ends, however it ends (a server it leaves behind dies with
+it: ``procs.die_with_parent``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -22,21 +25,29 @@ from servegrid.errors import ServerError
 
 
 def lock_dir() -> Path:
+    """The claims directory, made if missing; :class:`ServerError` if it is not safely this user's."""
     explicit = os.environ.get("SERVEGRID_LOCK_DIR")
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if explicit:
-        path = Path(explicit)
-    elif runtime_dir:
-        path = Path(runtime_dir) / "servegrid"
-    else:
-        path = Path(tempfile.gettempdir()) / f"servegrid-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = Path(explicit) if explicit else Path(tempfile.gettempdir()) / f"servegrid-locks-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise ServerError(f"host-wide claims: cannot use {path}: {exc}") from exc
+    # In a shared /tmp another user could have made it first: use it only if it is ours alone.
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ServerError(
+            f"host-wide claims: {path} is not a directory of this user's with mode 0700; remove it, or set "
+            "SERVEGRID_LOCK_DIR to one"
+        )
     return path
 
 
 def _try_claim(name: str, holder: str) -> int | None:
     """An fd holding the claim ``name``, or None when another process holds it."""
-    fd = os.open(lock_dir() / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(lock_dir() / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ServerError(f"host-wide claims: cannot open the claim '{name}': {exc}") from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

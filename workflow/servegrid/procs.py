@@ -61,8 +61,10 @@ def group_members(pgid: int, session: str | None = None) -> list[psutil.Process]
     members = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            ours = session is None or in_session(proc, session)
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE and ours:
+            # The group first: reading a process's environment is the costly check.
+            if os.getpgid(proc.pid) != pgid or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if session is None or in_session(proc, session):
                 members.append(proc)
         except (ProcessLookupError, psutil.Error):
             continue
@@ -111,7 +113,7 @@ def watch(ref: ProcessRef, on_gone: Callable[[], None], interval_s: float = 0.5)
 
     def poll() -> None:
         while not stop.wait(interval_s):
-            if not ref.alive():
+            if not ref.alive() and not stop.is_set():
                 on_gone()
                 return
 

@@ -92,11 +92,10 @@ class ReportData:
         """One report section per enabled mode: the mode, its description's values (formatted) and its rows."""
         sections = []
         for name in self.experiment.modes():
-            mode, workload = modes.get(name), self.experiment.workload(name)
-            params = {key: self.format_value(value) for key, value in mode.describe(workload.settings | {
-                "contexts": workload.contexts, "concurrency": workload.concurrency}).items()}  # fmt: skip
+            mode, workload = modes.get(name), self.experiment.workload_view(name)
+            params = {key: self.format_value(value) for key, value in mode.describe(workload).items()}
             sections.append(
-                {"mode": mode, "params": params, "rows": self.mode_rows(name), "concurrency": workload.concurrency}
+                {"mode": mode, "params": params, "rows": self.mode_rows(name), "concurrency": workload["concurrency"]}
             )
         return sections
 

@@ -24,6 +24,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` merges; it is no key of its own
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             if key in seen:
                 raise ConfigError(

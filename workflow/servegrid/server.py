@@ -109,8 +109,8 @@ def launch_command(
 
 
 def auth_headers(spec: dict[str, Any]) -> dict[str, str]:
-    key_var = spec.get("api_key_env")
-    key = os.environ.get(key_var) if key_var else None
+    """The bearer token the client sends, from the variable engine.api_key_env names (none without one)."""
+    key = _api_key(spec)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -135,7 +135,7 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
         with state.locked(runtime):
             record = state.read(state.record_path(runtime, configuration))
             facts = state.read(state.facts_path(runtime, configuration))
-            if record and state.live(record):
+            if record and state.supervised(record):
                 if record["spec_hash"] != wanted or not facts:
                     _stop_record(record, runtime, reason="replaced by a server with another spec")
                 elif _healthy(engine, record, spec) and _answers(engine, record, spec, runtime):
@@ -144,6 +144,10 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
                     # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
                     # handed to the next cell, whose every request would wait out its timeout.
                     _stop_record(record, runtime, reason="not answering a tiny completion: replaced")
+            elif record and state.anything_running(record):
+                # Its server exited and its supervisor is still winding down (holding the host claims and
+                # about to write its record), or its supervisor is gone and its server is not: finish either.
+                _stop_record(record, runtime, reason="half gone: server or supervisor no longer running")
             _raise_if_failed_before(runtime, configuration, wanted, owner)
             rivals = [
                 r
@@ -228,8 +232,8 @@ def _start(
         # The environment (API key included) goes to the supervisor in its own environment, never on disk;
         # the launch file is owner-only all the same.
         with atomic.atomic_path(launch_path) as tmp:
+            os.chmod(tmp, 0o600)  # before anything is written to it
             tmp.write_text(json.dumps(launch), encoding="utf-8")
-            os.chmod(tmp, 0o600)
         record_path.unlink(missing_ok=True)
         state.facts_path(runtime, configuration).unlink(missing_ok=True)
         state.failure_path(runtime, configuration).unlink(missing_ok=True)
@@ -311,6 +315,8 @@ def _wait_healthy(
     with httpx.Client(timeout=2.0, headers=auth_headers(spec)) as client:
         while True:
             record = state.read(record_path)
+            if record and identity(record.get("session", "")) != expected_name:
+                record = None  # an earlier session's last words, not this launch's
             if record and record["status"] in ("exited", "stopped"):
                 raise ServerError(
                     f"the server for configuration '{configuration}' exited during start-up "
@@ -328,6 +334,9 @@ def _wait_healthy(
                         names = engine.served_names(client, url)
                         if expected_name in names:
                             return
+                        if not names:  # no answer about names yet (slow): ask again
+                            time.sleep(0.5)
+                            continue
                         # Healthy, but not ours: another process answers on this port (another pipeline's
                         # server, say). Measuring it would measure the wrong server, silently.
                         raise ServerError(
@@ -376,7 +385,8 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
     pgid = record.get("pgid")
     outcome = {"session": record["session"], "reason": reason, "was_running": bool(server and server.alive())}
     if supervisor and supervisor.alive():
-        os.kill(supervisor.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may end by itself in between
+            os.kill(supervisor.pid, signal.SIGTERM)
         procs.wait_gone([supervisor], runtime.shutdown_timeout_s + 10)
     # Only processes that carry this session are ever signalled: a recorded pid or group number
     # may have been reused by now (the server exited long ago, the machine rebooted).
@@ -413,14 +423,20 @@ def discard(configuration: str, runtime: Runtime, reason: str) -> list[dict[str,
 
 
 def stop_all(runtime: Runtime, owner: procs.ProcessRef | None = None, reason: str = "pipeline ended") -> list[dict]:
-    """Stop every server (or only those started on behalf of ``owner``)."""
-    stopped = []
+    """Stop every server (or only those started on behalf of ``owner``): each one is tried even when an
+    earlier one would not go; that failure is raised at the end."""
+    stopped, failures = [], []
     with state.locked(runtime):
         for configuration, record in state.records(runtime).items():
             if owner is not None and record.get("owner") != owner.to_dict():
                 continue
-            stopped.append(_stop_record(record, runtime, reason))
+            try:
+                stopped.append(_stop_record(record, runtime, reason))
+            except ServerError as exc:
+                failures.append(str(exc))
             state.facts_path(runtime, configuration).unlink(missing_ok=True)
+    if failures:
+        raise ServerError("; ".join(failures))
     return stopped
 
 

@@ -166,6 +166,20 @@ def records(runtime: Runtime) -> dict[str, dict[str, Any]]:
     return out
 
 
+def supervised(record: dict[str, Any]) -> bool:
+    """Whether the server of ``record`` runs under its supervisor: both processes alive (the same ones)."""
+    supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
+    return live(record) and bool(supervisor and supervisor.alive())
+
+
+def anything_running(record: dict[str, Any]) -> bool:
+    """Whether any process of ``record`` still runs: its supervisor, its server, or one of the server's group."""
+    supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
+    pgid, session = record.get("pgid"), record.get("session")
+    members = procs.group_members(pgid, session) if pgid and session else []
+    return live(record) or bool(supervisor and supervisor.alive()) or bool(members)
+
+
 def live(record: dict[str, Any]) -> bool:
     """Whether the server process of ``record`` is still running (the same process, not a reused pid)."""
     server = procs.ProcessRef.from_dict(record.get("server"))
