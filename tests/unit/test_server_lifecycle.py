@@ -279,10 +279,19 @@ def test_no_server_is_started_for_an_owner_that_is_gone(sandbox, monkeypatch):
     """Snakemake killed while the next cell job was starting: that job must not start an ownerless server."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    monkeypatch.setenv(server.OWNER_ENV, str(gone.pid))
-    with pytest.raises(
-        ServerError, match=r"the Snakemake process \(SERVEGRID_OWNER_PID=\d+\) that runs this job is gone"
-    ):
+    monkeypatch.setenv(server.OWNER_ENV, f"{gone.pid}:1.0")
+    gone_message = r"the Snakemake process \(SERVEGRID_OWNER=\d+:1.0\) that runs this job is gone"
+    with pytest.raises(ServerError, match=gone_message):
+        server.owner_from_env()
+    # Alive, but not the process that started the run: its pid was reused (the start time differs).
+    me = procs.ProcessRef.of(os.getpid())
+    monkeypatch.setenv(server.OWNER_ENV, f"{me.pid}:{me.create_time - 5}")
+    with pytest.raises(ServerError, match=r"that runs this job is gone"):
+        server.owner_from_env()
+    monkeypatch.setenv(server.OWNER_ENV, server.owner_token(me))
+    assert server.owner_from_env() == me
+    monkeypatch.setenv(server.OWNER_ENV, "1234")
+    with pytest.raises(ServerError, match=r"SERVEGRID_OWNER='1234' is not 'pid:start-time'"):
         server.owner_from_env()
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     ref = procs.ProcessRef.of(owner.pid)

@@ -31,7 +31,7 @@ REPORT_TEMPLATES = sorted(
 
 # Servers that this run's cells start belong to this Snakemake process: their
 # supervisors take them down if it disappears, even by SIGKILL.
-os.environ[servers.OWNER_ENV] = str(os.getpid())
+os.environ[servers.OWNER_ENV] = servers.owner_token(ProcessRef.of(os.getpid()))
 
 
 wildcard_constraints:

@@ -25,21 +25,33 @@ import pandas as pd
 
 from servegrid import atomic, metrics, modes, records, stats, verdict
 from servegrid.config import Experiment, Validity
+from servegrid.errors import CellFileError
 
 CELL_KEYS = ["configuration", "mode", "context", "concurrency"]
 PER_REQUEST = ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s", "ttft_from_intended_s", "e2e_from_intended_s")
 
 
 def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
-    frames, metas = [], []
+    """Every cell file's rows and metadata. Files that cannot be read back (a checksum that fails, a
+    truncated file) are all moved aside first, and the error lists them: the next run measures them again."""
+    frames, metas, damaged = [], [], []
     for path in paths:
-        table, meta = records.read_cell(path)
+        try:
+            table, meta = records.read_cell(path)
+        except CellFileError as exc:
+            damaged.append(f"{exc}\n  kept as {records.set_aside(path)}")
+            continue
         frame = table.to_pandas()
         cell = meta["cell"]
         for key in CELL_KEYS:
             frame[key] = cell[key]
         frames.append(frame)
         metas.append(meta)
+    if damaged:
+        raise CellFileError(
+            f"{len(damaged)} cell file(s) could not be read back and were moved aside; the next run measures "
+            "those cells again:\n" + "\n".join(damaged)
+        )
     if not frames:
         return pd.DataFrame(columns=CELL_KEYS), metas
     df = pd.concat(frames, ignore_index=True)

@@ -17,7 +17,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import engines, hostinfo, metrics, modes, procs, records, server
 from servegrid.client import Streamer, streaming_session
-from servegrid.client_monitor import ClientMonitor, CollectorPause, StallGuard, stall_limit_s
+from servegrid.client_monitor import ClientMonitor, CollectorPause, StallGuard, stall_limit_s, warmup_stall_limit_s
 from servegrid.config import Cell, Experiment, Operations
 from servegrid.engines import Engine
 from servegrid.errors import CellError, CellStalled
@@ -60,6 +60,7 @@ async def measure(
     mode = modes.get(settings["mode"])
     concurrency = settings["concurrency"]
     timeout = httpx.Timeout(operations.request_timeout_s, connect=30.0)
+    warmup_limit = warmup_stall_limit_s(operations.stall_floor_s, operations.request_timeout_s)
     all_records: list[RequestRecord] = []
     repeats: list[dict[str, Any]] = []
     with httpx.Client(timeout=120.0, headers=headers) as sync_client:
@@ -103,8 +104,8 @@ async def measure(
                     records: list[RequestRecord] = ctx.records,
                 ) -> None:
                     warmups = [r for r in records if r.phase == "warmup"]
-                    limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, operations.request_timeout_s)
-                    guard.start(state["work"], limit)
+                    limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, warmup_limit)
+                    guard.tighten(limit, "from this cell's warm-up")
                     await streamer.open_connections(concurrency, engine.health_path)
                     state["before"] = await metrics.scrape(client, url, engine, model)
                     state["t0_ns"] = time.monotonic_ns()
@@ -114,6 +115,8 @@ async def measure(
                     collector.start()
 
                 state["work"] = work = asyncio.ensure_future(mode.run(ctx, begin_measurement))
+                # From the first request on: an engine that hangs during the warm-up is found too.
+                guard.start(work, warmup_limit, "during the warm-up: 10 × operations.stall_floor_s")
                 try:
                     await work
                 except asyncio.CancelledError:
@@ -121,7 +124,7 @@ async def measure(
                         raise
                     raise CellStalled(
                         f"the server made no progress for {guard.stalled_s:.0f} s with requests in flight "
-                        f"(limit {guard.limit_s:.0f} s, from this cell's warm-up): stopped, not reused"
+                        f"(limit {guard.limit_s:.0f} s, {guard.basis}): stopped, not reused"
                     ) from None
                 finally:
                     await guard.stop()

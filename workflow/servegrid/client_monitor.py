@@ -104,20 +104,27 @@ class StallGuard:
     """Ends a measured phase that makes no progress: nothing sent and no byte read on any stream for
     ``limit_s`` while requests are in flight (an engine that hangs while its health check still says 200).
 
-    ``limit_s`` is set from the cell's own work when measuring begins (:func:`stall_limit_s`); the work
-    task is cancelled, and :attr:`stalled_s` says for how long nothing had moved.
+    It watches from the cell's first request on: through the warm-up with :func:`warmup_stall_limit_s`,
+    then with the limit :func:`stall_limit_s` sets from the cell's own warm-up (:meth:`tighten`). The
+    work task is cancelled, and :attr:`stalled_s` says for how long nothing had moved, :attr:`basis`
+    where its limit came from.
     """
 
     def __init__(self, streamer: Streamer, interval_s: float = 0.5) -> None:
         self.streamer = streamer
         self.interval_s = interval_s
         self.limit_s = float("inf")
+        self.basis = ""
         self.stalled_s: float | None = None
         self._task: asyncio.Task | None = None
 
-    def start(self, work: asyncio.Future, limit_s: float) -> None:
-        self.limit_s = limit_s
+    def start(self, work: asyncio.Future, limit_s: float, basis: str) -> None:
+        self.limit_s, self.basis = limit_s, basis
         self._task = asyncio.get_running_loop().create_task(self._watch(work))
+
+    def tighten(self, limit_s: float, basis: str) -> None:
+        """The measured phase's limit, once the warm-up has shown how long one request takes."""
+        self.limit_s, self.basis = limit_s, basis
 
     async def _watch(self, work: asyncio.Future) -> None:
         while True:
@@ -139,10 +146,16 @@ class StallGuard:
 STALL_FACTOR = 10
 
 
+def warmup_stall_limit_s(floor_s: float, request_timeout_s: float) -> float:
+    """How long a cell's warm-up may go without progress, before any request of its shape has been
+    timed: 10 × ``floor_s``, at most the request timeout (a hung engine found in minutes, not hours)."""
+    return min(request_timeout_s, STALL_FACTOR * floor_s)
+
+
 def stall_limit_s(warmups: list[RequestRecord], concurrency: int, floor_s: float, fallback_s: float) -> float:
     """How long a cell may go without progress: 10 × its slowest warm-up request (a request of the same
     shape, on the same server, just before) × its sessions (a request may wait behind the others'),
-    at least ``floor_s``. Without a completed warm-up: ``fallback_s`` (the request timeout)."""
+    at least ``floor_s``. Without a completed warm-up: ``fallback_s``."""
     done = [(r.end_ns - r.sent_ns) / 1e9 for r in warmups if r.end_ns and r.sent_ns and not r.error]
     if not done:
         return fallback_s

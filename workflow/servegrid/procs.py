@@ -96,6 +96,8 @@ def terminate_group(
         _signal_group(pgid, signal.SIGTERM)
     for proc in targets.values():
         _signal(proc, signal.SIGTERM)
+        # A stopped process (a hung engine found SIGSTOPped, say) handles SIGTERM only once it runs again.
+        _signal(proc, signal.SIGCONT)
     _, alive = psutil.wait_procs(list(targets.values()), timeout=grace_s)
     # Members may have forked during shutdown: look again.
     leftovers = {p.pid: p for p in alive + group_members(pgid, session)}

@@ -9,6 +9,8 @@ relative to the request's own send time. Column meanings are documented in
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +93,15 @@ def read_cell(path: Path | str) -> tuple[pa.Table, dict[str, Any]]:
     try:
         table = pq.read_table(path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as exc:
-        raise CellFileError(
-            f"{path}: cannot read the cell file ({exc}); delete it and rerun to measure it again"
-        ) from exc
+        raise CellFileError(f"{path}: cannot read the cell file ({exc})") from exc
     raw = (table.schema.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise CellFileError(f"{path}: not a servegrid cell file (no {METADATA_KEY.decode()} metadata)")
     return table, json.loads(raw)
+
+
+def set_aside(path: Path | str) -> Path:
+    """Move a damaged cell file out of the grid, kept for inspection: the next run measures its cell again."""
+    kept = Path(f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, kept)
+    return kept

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from servegrid import atomic, engines, hostinfo, hostlocks, paths, procs, redact, state
 from servegrid.config import spec_hash
@@ -49,29 +48,41 @@ __all__ = [
     "ensure",
     "launch_command",
     "lease",
+    "owner_from_env",
+    "owner_token",
     "status",
     "stop",
     "stop_all",
 ]
 
-OWNER_ENV = "SERVEGRID_OWNER_PID"
+OWNER_ENV = "SERVEGRID_OWNER"
 LOG_TAIL_LINES = 40
+
+
+def owner_token(owner: procs.ProcessRef) -> str:
+    """How a job learns its owner: pid and start time (a pid alone may be someone else's by then)."""
+    return f"{owner.pid}:{owner.create_time!r}"
 
 
 def owner_from_env() -> procs.ProcessRef | None:
     """The process whose disappearance should take servers down: Snakemake, when it set one.
 
     A job whose Snakemake is already gone (killed while this job was starting) gets an error, not
-    None: a server started with no owner would outlive everyone.
+    None: a server started with no owner would outlive everyone. So does one whose owner's pid now
+    belongs to another process (the start time differs).
     """
     raw = os.environ.get(OWNER_ENV)
     if not raw:
         return None
     try:
-        return procs.ProcessRef.of(int(raw))
-    except (ValueError, psutil.Error) as exc:
+        pid, create_time = raw.split(":")
+        owner = procs.ProcessRef(int(pid), float(create_time))
+    except ValueError:
+        raise ServerError(f"{OWNER_ENV}={raw!r} is not 'pid:start-time' (servegrid.server.owner_token)") from None
+    if not owner.alive():
         raise ServerError(f"the Snakemake process ({OWNER_ENV}={raw}) that runs this job is gone: no server is "
-                          "started for it") from exc  # fmt: skip
+                          "started for it")  # fmt: skip
+    return owner
 
 
 # ---- argv, environment, authentication ---------------------------------------

@@ -1,0 +1,263 @@
+"""The fault matrix: every fault the suite in tests/faults provokes, and the four checks each test makes.
+
+Each test provokes its fault for real and checks: (1) the time to a clear error, (2) what is left on disk
+(no file that looks complete and is not), (3) that no process survives, (4) that the next run completes
+the grid. The times it measures are recorded with :meth:`Matrix.record` and printed at the end of the
+run as the table the README's "How reliable is it?" shows (``results/fault-matrix.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+
+@dataclass(frozen=True)
+class Fault:
+    what: str  # the fault, as the README's table names it
+    behaviour: str  # what servegrid does
+    rerun: str  # what the next run does
+
+
+FAULTS: dict[str, Fault] = {
+    # ---- the server's faults: real vLLM (CPU build) ------------------------------------------------
+    "server-killed": Fault(
+        "vLLM server SIGKILLed mid-cell",
+        "the cell fails naming the lost server and its log's tail; no cell file",
+        "measures the cell on a new server",
+    ),
+    "engine-hang": Fault(
+        "vLLM engine hangs mid-cell (engine core SIGSTOPped, `/health` still 200)",
+        "the cell fails after 10 × its warm-up × its sessions (at least `stall_floor_s`); the server is "
+        "stopped, not reused",
+        "measures the cell on a new server",
+    ),
+    "hang-between-cells": Fault(
+        "vLLM engine hangs between two cells",
+        "the next cell's liveness check (one tiny completion) fails; the server is replaced",
+        "nothing left to do: the cell was measured on the new server",
+    ),
+    "supervisor-killed": Fault(
+        "the server's supervisor SIGKILLed",
+        "the server gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`) and takes its engine down; the cell "
+        "fails naming the lost server",
+        "measures the cell on a new server",
+    ),
+    "snakemake-sigint": Fault(
+        "Ctrl-C while a cell measures",
+        "Snakemake stops the job; the server is stopped; no cell file",
+        "measures the cell again",
+    ),
+    "snakemake-sigterm": Fault(
+        "`kill` (SIGTERM) of Snakemake while a cell measures",
+        "Snakemake lets the running cell finish, then stops; the server is stopped",
+        "nothing left to do for that cell",
+    ),
+    "snakemake-sigkill": Fault(
+        "`kill -9` of Snakemake while a cell measures",
+        "the supervisor sees its owner gone and stops the server; the orphaned cell job stops at once; no cell file",
+        "measures the cell again",
+    ),
+    "snakemake-sigkill-next-cell": Fault(
+        "`kill -9` of Snakemake as the next cell job starts",
+        "the server is stopped; the starting cell job starts no server for an owner that is gone",
+        "measures the remaining cells",
+    ),
+    "server-fails-to-start": Fault(
+        "vLLM exits during start-up (an unknown flag)",
+        "its cells fail naming the exit code and the log's tail; `--keep-going` measures the other "
+        "configurations; not retried within the run",
+        "tries the server again",
+    ),
+    "server-not-healthy": Fault(
+        "vLLM not healthy within `startup_timeout_s`",
+        "the cell fails naming the key; the server is stopped",
+        "tries the server again",
+    ),
+    "context-over-server-limit": Fault(
+        "a context longer than the running server accepts (limit not in the config)",
+        "the cell fails at the server's first answer, naming the key and both lengths; nothing is sent",
+        "fails again until the config changes",
+    ),
+    # ---- the host's faults: calibration server standing in for the engine process ------------------
+    "port-taken": Fault(
+        "the first port of `port_range` taken by another program",
+        "the server starts on the next free port",
+        "nothing left to do",
+    ),
+    "two-pipelines": Fault(
+        "two pipelines in two directories on one host, same `port_range`",
+        "host-wide claims give each its own port; each measures only the server it launched",
+        "nothing left to do",
+    ),
+    "stale-records": Fault(
+        "server records left from before a reboot (pids now someone else's)",
+        "`servegrid server down --all` signals only processes that carry the server's session",
+        "starts new servers",
+    ),
+    "disk-full": Fault(
+        "disk full while a cell file is written (`RLIMIT_FSIZE`)",
+        "the cell fails naming the file and the error; no cell file, no partial one",
+        "measures the cell again",
+    ),
+    "corrupt-cell": Fault(
+        "a cell file damaged on disk",
+        "`aggregate` fails naming the file (page checksums); the file is moved aside",
+        "measures that cell again, then aggregates",
+    ),
+    "ctrl-c-aggregate": Fault(
+        "Ctrl-C during `aggregate`",
+        "no table, no partial one",
+        "aggregates again",
+    ),
+    "ctrl-c-report": Fault(
+        "Ctrl-C while the report is written",
+        "no report, no partial one",
+        "writes the report again",
+    ),
+    # ---- the wire's faults: calibration server ---------------------------------------------------
+    "wire-reset": Fault(
+        "connection reset mid-stream",
+        "that request is an error, counted; the rest of the cell is measured",
+        "nothing left to do (the cell is judged by `validity`)",
+    ),
+    "wire-5xx": Fault(
+        "HTTP 500 for one request",
+        "that request is an error, counted; the rest of the cell is measured",
+        "nothing left to do (the cell is judged by `validity`)",
+    ),
+    "wire-malformed": Fault(
+        "an SSE event that is JSON but not an object, or `completion_tokens: null`",
+        "that request is an error, counted; the rest of the cell is measured",
+        "nothing left to do (the cell is judged by `validity`)",
+    ),
+    "warmup-fails": Fault(
+        "a warm-up request fails",
+        "counted; the cell is marked invalid (its shared prefix may not be primed)",
+        "nothing left to do (the cell is judged by `validity`)",
+    ),
+    "warmup-hang": Fault(
+        "the server hangs during a cell's warm-up",
+        "the cell fails after 10 × `stall_floor_s` (not `request_timeout_s`); the server is stopped",
+        "measures the cell on a new server",
+    ),
+    # ---- bad input ---------------------------------------------------------------------------------
+    "config-duplicate-key": Fault(
+        "a YAML key given twice (two `ngram:` configurations)",
+        "refused before anything runs, naming both lines",
+        "runs once the key is fixed",
+    ),
+    "config-not-integer": Fault(
+        "`concurrency: [1, 2.0]`",
+        "refused before anything runs, naming the key",
+        "runs once fixed",
+    ),
+    "config-flag-spelling": Fault(
+        "`--enable_prefix_caching` in a configuration's `args`",
+        "refused before anything runs: servegrid sets that flag, in any spelling",
+        "runs once fixed",
+    ),
+    "config-context-too-long": Fault(
+        "a context longer than `--max-model-len` in the config",
+        "refused before anything runs, naming the key and both lengths",
+        "runs once fixed",
+    ),
+    "config-tiny-over-folder": Fault(
+        "`model.tiny` set and `model.path` an existing folder it did not build",
+        "refused before anything runs; the folder is left as it was",
+        "runs once fixed",
+    ),
+}
+
+
+@dataclass
+class Measured:
+    fault: str
+    seconds: float | None  # time to a clear error; None where there is no error to wait for
+    detail: str = ""
+
+
+class Matrix:
+    """What the suite measured, fault by fault, rendered as the README's table."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Measured] = {}
+
+    def record(self, fault: str, seconds: float | None, detail: str = "") -> None:
+        if fault not in FAULTS:
+            raise KeyError(f"{fault!r} is not in helpers.faults.FAULTS")
+        self.rows[fault] = Measured(fault, seconds, detail)
+
+    def markdown(self) -> str:
+        lines = [
+            "| fault | behaviour | time to a clear error | what a rerun does |",
+            "|---|---|---|---|",
+        ]
+        for key, fault in FAULTS.items():
+            row = self.rows.get(key)
+            if row is None:
+                continue
+            took = "no error" if row.seconds is None else f"{row.seconds:.1f} s"
+            if row.detail:
+                took += f" ({row.detail})"
+            lines.append(f"| {fault.what} | {fault.behaviour} | {took} | {fault.rerun} |")
+        return "\n".join(lines) + "\n"
+
+
+# ---- the four checks ---------------------------------------------------------------------------------
+
+
+def survivors(workdir: Path) -> list[psutil.Process]:
+    """Every live process that belongs to the pipeline in ``workdir``: whatever runs there (Snakemake, its
+    jobs, supervisors, servers: they all start in it) or carries a server session recorded there."""
+    root = str(workdir.resolve())
+    sessions = {p.stem.split(".")[0] for p in (workdir / "results" / "servers").glob("*/logs/*.log")}
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cwd = proc.cwd()
+            if cwd == root or cwd.startswith(root + os.sep) or proc.environ().get("SERVEGRID_SESSION") in sessions:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_no_survivors(workdir: Path, timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` for every process of ``workdir``'s pipeline to end; those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := survivors(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive
+
+
+def kill_survivors(workdir: Path) -> None:
+    """After a failed assertion: nothing a test started outlives it."""
+    for proc in survivors(workdir):
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+
+
+def half_written(workdir: Path) -> list[Path]:
+    """Files that look like outputs but are not finished: atomic writes' leftovers (``.*.partial``)."""
+    results = workdir / "results"
+    return sorted(p for p in results.rglob("*.partial*")) if results.exists() else []
+
+
+def wait_for(predicate, timeout_s: float, step_s: float = 0.2) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return bool(predicate())
