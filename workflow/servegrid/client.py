@@ -242,6 +242,7 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
         )
     tokens_so_far = 0
     text_parts: list[str] = []
+    uncounted_text = False  # text arrived in an event that gave no token count
     for end, data in sse_events(raw):
         if data == b"[DONE]":
             continue
@@ -251,15 +252,16 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
         if "error" in event:
             record.error = f"stream error: {json.dumps(event['error'])[:500]}"
             continue
+        usage = event.get("usage") or {}
+        completion = usage.get("completion_tokens")
         for choice in event.get("choices") or ():
             piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             if not isinstance(piece, str):
                 raise ValueError(f"a choice's text is {piece!r}, not a string")
             text_parts.append(piece)
+            uncounted_text |= bool(piece) and completion is None
             if choice.get("finish_reason"):
                 record.finish_reason = str(choice["finish_reason"])
-        usage = event.get("usage") or {}
-        completion = usage.get("completion_tokens")
         if completion is None:  # absent or null: this event says nothing about tokens
             continue
         if not isinstance(completion, int) or isinstance(completion, bool):
@@ -277,3 +279,7 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
             if isinstance(event.get("servegrid_sent_ns"), int):  # the calibration server's own stamp
                 record.chunk_server_ns.append(event["servegrid_sent_ns"])
     record.text = "".join(text_parts)
+    if uncounted_text and record.output_tokens_reported is not None:
+        # Its tokens would be stamped with the next counted event's read: a first chunk without a count moves
+        # the TTFT to the second one, silently. (A stream that never counts fails in decode_into, "without usage".)
+        raise ValueError("an event with text has no usage.completion_tokens (null or absent): its tokens are untimed")

@@ -20,10 +20,15 @@ It speaks one of two dialects (``--dialect``):
 It is a test and calibration tool: it never stands in for vLLM in the
 pipeline, the demo or the benchmarks of serving configurations.
 
+Faults on the wire are scripted per request (``--fault N=KIND``, :data:`FAULT_KINDS`): only a
+server told exactly which request to spoil lets a test find that request in the cell file and time
+the client's answer to it, while the requests around it show the rest of the cell was measured.
+
 It runs over 300 lines: one server behind two dialects, whose scripted
-streaming, tokenizer and counters are shared by both and make sense only together.
+streaming, tokenizer, counters and faults are shared by both and make sense only together.
 
     python -m servegrid.testing.calibration --port 8900 --ttft 0.05 --interval 0.01
+    python -m servegrid.testing.calibration --fault 3=reset --fault 4=503
     python -m servegrid.testing.calibration --dialect calibration --listen 127.0.0.1:8900
 """
 
@@ -34,6 +39,8 @@ import asyncio
 import json
 import os
 import random
+import socket
+import struct
 import sys
 import time
 import zlib
@@ -48,6 +55,16 @@ from servegrid.testing import dialect as calibration_dialect
 from servegrid.testing.dialect import CALIBRATION, DIALECTS, VLLM
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# What ``Script.faults`` can do to one generation request. Each is something a real server or the
+# network between does to a stream, and each must cost the client one failed request, never the cell.
+FAULT_KINDS = {
+    "reset": "stream two chunks, then reset the TCP connection (RST): the client's read fails mid-stream",
+    "500": "answer HTTP 500 with a JSON error body instead of streaming",
+    "503": "answer HTTP 503 with a JSON error body instead of streaming (an overloaded server)",
+    "not-object": "after the first chunk, one SSE event whose data is JSON but not an object ([1, 2])",
+    "null-tokens": "the first chunk's usage.completion_tokens is null: its tokens cannot be timed",
+}
 
 
 @dataclass
@@ -70,6 +87,14 @@ class Script:
     legacy_metric_names: bool = False  # the vLLM dialect's names before vLLM 0.11
     context_limit: int = calibration_dialect.CONTEXT_LIMIT  # what /v1/models reports as max_model_len
     stall_from_request: int = 0  # fault: from this request on (1-based), stream one chunk, then hang; 0: never
+    # Faults of single requests: {request number (1-based, counted as stall_from_request counts them): a
+    # FAULT_KINDS key}. Request 1 is the server's own start-up warm-up, then come the cell's.
+    faults: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = {n: kind for n, kind in self.faults.items() if kind not in FAULT_KINDS or n < 1}
+        if unknown:
+            raise ValueError(f"faults {unknown} (request numbers from 1, kinds: {', '.join(FAULT_KINDS)})")
 
     @property
     def chunk_tokens(self) -> int:
@@ -304,6 +329,10 @@ class CalibrationServer:
             return web.json_response({"error": {"message": message}}, status=400)
         self.counters.requests += 1
         stalls = bool(s.stall_from_request) and self.counters.requests >= s.stall_from_request
+        fault = s.faults.get(self.counters.requests)
+        if fault in ("500", "503"):
+            message = f"calibration server told to fail request {self.counters.requests} with HTTP {fault}"
+            return web.json_response({"error": {"message": message, "code": int(fault)}}, status=int(fault))
         self.counters.running += 1
         self._count_prefix_hits(ids)
         self.counters.prompt_tokens += len(ids)
@@ -332,18 +361,23 @@ class CalibrationServer:
                 words = " " + " ".join(self.rng.choice(text.WORDS) for _ in range(take))
                 choice = {"index": 0, "finish_reason": "length" if produced == n_out else None}
                 choice.update({"delta": {"content": words}} if chat else {"text": words})
+                completion: int | None = produced + (s.completion_tokens_offset if produced == n_out else 0)
+                if fault == "null-tokens" and produced == take:
+                    completion = None
                 event = {
                     "object": "chat.completion.chunk" if chat else "text_completion",
                     "model": self.model,
                     "choices": [choice],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": produced + (s.completion_tokens_offset if produced == n_out else 0),
-                    },
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion},
                     "servegrid_sent_ns": sent,
                     "servegrid_late_ns": late,
                 }
                 await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                if fault == "not-object" and produced == take:
+                    await response.write(b"data: [1, 2]\n\n")
+                if fault == "reset" and (produced >= 2 * s.chunk_tokens or produced == n_out):
+                    await _reset(request)
+                    return response
                 if produced == take:
                     first_ns = sent
                     self.counters.ttft_s.append((sent - start) / 1e9)
@@ -358,6 +392,22 @@ class CalibrationServer:
             self.counters.running -= 1
         await response.write_eof()
         return response
+
+
+async def _reset(request: web.Request) -> None:
+    """Abort the connection with a TCP reset, as a crashed proxy or a killed worker would.
+
+    SO_LINGER with a zero timeout turns the close into an RST instead of an orderly FIN; the short
+    sleep first lets the chunks already written reach the client, which a reset would discard.
+    """
+    await asyncio.sleep(0.05)
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 async def _sleep_until(deadline_ns: int) -> None:
@@ -418,6 +468,9 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
                         help="the longest request it says it accepts")  # fmt: skip
     parser.add_argument("--stall-from-request", type=int, default=0,
                         help="fault: from this request on (1-based), one chunk and then nothing")  # fmt: skip
+    parser.add_argument("--fault", action="append", type=_fault, default=[], metavar="N=KIND",
+                        help="fault: spoil generation request N (1-based; 1 is the start-up warm-up), repeatable; "
+                        f"KIND: {', '.join(FAULT_KINDS)}")  # fmt: skip
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefix caching off: never a cache hit")
     parser.add_argument("--prompt-tokens-offset", type=int, default=0, help="fault: misreport usage.prompt_tokens")
     parser.add_argument("--completion-tokens-offset", type=int, default=0, help="fault: misreport the output")
@@ -428,6 +481,16 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
         help="fault: answer every generation after the first (the warm-up) with this HTTP status",
     )
     return parser
+
+
+def _fault(value: str) -> tuple[int, str]:
+    """``N=KIND`` → (N, KIND), refused by argparse with the reason when either part is wrong."""
+    number, sep, kind = value.partition("=")
+    if not sep or not number.strip().isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected N=KIND with N a request number from 1, e.g. 3=reset")
+    if kind not in FAULT_KINDS:
+        raise argparse.ArgumentTypeError(f"{value!r}: unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})")
+    return int(number), kind
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args, _vllm_flags = parser.parse_known_args(argv)
         host, port, names, api_key, speculative = args.host, args.port, args.served_model_name, None, 0
+    faults = dict(args.fault)
+    if len(faults) < len(args.fault):
+        parser.error(f"--fault: one fault per request (given: {', '.join(f'{n}={k}' for n, k in args.fault)})")
     script = Script(
         ttft_s=args.ttft,
         interval_s=args.interval,
@@ -460,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         fail_with_status=args.fail_with,
         context_limit=args.context_limit,
         stall_from_request=args.stall_from_request,
+        faults=faults,
     )
     app = CalibrationServer(script, model=names[0], aliases=names[1:], dialect=dialect, api_key=api_key).app()
     web.run_app(app, host=host.strip("[]"), port=int(port), access_log=None, print=None)

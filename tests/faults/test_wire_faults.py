@@ -1,0 +1,179 @@
+"""The wire's faults, provoked for real: a reset connection, an HTTP 5xx, a malformed SSE event, a failed
+or hung warm-up, each on one scripted request of the calibration server (``--fault N=KIND``,
+``--stall-from-request N``), which servegrid launches as a real server process for one small cell.
+
+Each test checks the four things of helpers.faults: (1) the time to a clear error (the spoiled request's
+own duration in the cell file, or the wall time to the cell's failure), and that the error says what
+happened; (2) what is on disk: the cell file with its error counted, the summary that aggregates it
+(invalid), or no file at all; (3) that no process survives stopping the servers; (4) that the same cell,
+the fault removed, is then measured without an error. The calibration server stands in for the engine
+process because only a scripted server can be told which request to spoil; what is checked is
+servegrid's own handling.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from helpers.faults import Matrix, calibration_config, half_written, wait_no_survivors
+from servegrid import aggregate, procs, server
+from servegrid.cell import run_cell
+from servegrid.config import Cell, Experiment
+from servegrid.errors import CellStalled
+
+# One decode cell, two sessions × two requests. The calibration server numbers generation requests from 1:
+# request 1 is its own start-up warm-up (servegrid's), 2 the cell's warm-up, 3 to 6 the measured ones.
+CELL_WARMUP, FIRST_MEASURED, MEASURED = 2, 3, 4
+OUTPUT_TOKENS = 8
+
+
+def experiment(*server_args: str, **operations: Any) -> tuple[Experiment, Cell]:
+    raw = calibration_config(
+        *server_args,
+        decode={"contexts": [32], "concurrency": [2], "output_tokens": OUTPUT_TOKENS, "requests_per_session": 2},
+    )
+    raw["operations"].update(operations)
+    built = Experiment(raw)
+    (cell,) = built.cells("only")
+    return built, cell
+
+
+def measure(sandbox: server.Runtime, *server_args: str) -> tuple[pd.DataFrame, pd.Series]:
+    """Run the cell (its server launched by servegrid with ``server_args``), then aggregate it: its
+    requests as the cell file holds them, and its row of the summary table."""
+    built, cell = experiment(*server_args)
+    run_cell(built, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    out = {k: f"{k}.parquet" for k in ("requests", "summary", "servers", "comparisons")}
+    aggregate.aggregate(built, [cell.path], out["requests"], out["summary"], out["servers"], out["comparisons"])
+    (row,) = pd.read_parquet(out["summary"]).to_dict("records")
+    return pd.read_parquet(cell.path), pd.Series(row)
+
+
+def no_survivors(sandbox: server.Runtime, tmp_path: Path) -> None:
+    """Check (3): once the servers are stopped, nothing servegrid started lives on (the sandbox runs in tmp_path)."""
+    server.stop_all(sandbox, reason="fault test")
+    assert [row["alive"] for row in server.status(sandbox)] in ([], [False])
+    assert wait_no_survivors(tmp_path, 10) == []
+
+
+def next_run_is_clean(sandbox: server.Runtime, tmp_path: Path) -> None:
+    """Check (4): the same cell without the fault, on a new server, is measured without an error."""
+    table, row = measure(sandbox)
+    assert table["error"].isna().all(), table["error"].dropna().tolist()
+    assert (table["phase"] == "measured").sum() == MEASURED
+    assert row["n_errors"] == 0 and row["n_unmeasured_errors"] == 0
+    assert bool(row["valid"]), row["invalid_reasons"]
+    no_survivors(sandbox, tmp_path)
+
+
+def record_slowest(matrix: Matrix, fault: str, seconds: float, kind: str) -> None:
+    """One row per fault: where a fault has several kinds, the slowest one's time."""
+    seen = matrix.rows.get(fault)
+    if seen is None or seen.seconds is None or seconds >= seen.seconds:
+        matrix.record(fault, seconds, f"slowest kind: {kind}")
+
+
+# ---- one spoiled measured request: counted, the rest of the cell measured ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind", "says"),
+    [
+        ("wire-reset", "reset", r"ClientPayloadError: .*Connection reset by peer"),
+        ("wire-5xx", "500", r"^HTTP 500: .*told to fail request 3 with HTTP 500"),
+        ("wire-5xx", "503", r"^HTTP 503: .*told to fail request 3 with HTTP 503"),
+        ("wire-malformed", "not-object", r"^malformed SSE event: an event is JSON but not an object: b'\[1, 2\]'"),
+        ("wire-malformed", "null-tokens", r"^malformed SSE event: .*no usage\.completion_tokens \(null or absent\)"),
+    ],
+    ids=["reset", "500", "503", "not-object", "null-tokens"],
+)
+def test_a_spoiled_request_is_one_counted_error_and_the_cell_is_measured(sandbox, tmp_path, matrix, fault, kind, says):
+    table, row = measure(sandbox, "--fault", f"{FIRST_MEASURED}={kind}")
+
+    # (1) The spoiled request failed at once, saying what happened; the other three were measured whole.
+    measured = table[table["phase"] == "measured"]
+    assert len(measured) == MEASURED
+    (failed,) = measured[measured["error"].notna()].itertuples()
+    took = failed.end_s - failed.sent_s
+    assert 0 <= took < 5
+    assert re.search(says, failed.error), failed.error
+    assert failed.http_status == (int(kind) if kind.isdigit() else 200)
+    ok = measured[measured["error"].isna()]
+    assert len(ok) == MEASURED - 1 and (ok["output_tokens_reported"] == OUTPUT_TOKENS).all()
+    assert table.loc[table["phase"] == "warmup", "error"].isna().all()
+    record_slowest(matrix, fault, took, kind)
+
+    # (2) On disk: the cell file holds the error; aggregated, it is counted and the cell is invalid.
+    assert half_written(tmp_path) == []
+    assert row["n_requests"] == MEASURED and row["n_errors"] == 1 and row["n_valid"] == MEASURED - 1
+    assert not bool(row["valid"]) and "1 failed requests" in row["invalid_reasons"]
+
+    # (3) and (4)
+    no_survivors(sandbox, tmp_path)
+    next_run_is_clean(sandbox, tmp_path)
+
+
+# ---- the cell's warm-up ------------------------------------------------------------------------------------
+
+
+def test_a_failed_warmup_is_counted_and_invalidates_the_cell(sandbox, tmp_path, matrix):
+    """Its shared prefix (in the modes that have one) may not have been primed: the cell is measured but
+    marked invalid, whatever its measured requests say."""
+    table, row = measure(sandbox, "--fault", f"{CELL_WARMUP}=500")
+
+    # (1)
+    (failed,) = table[table["error"].notna()].itertuples()
+    assert failed.phase == "warmup" and failed.http_status == 500
+    assert failed.error.startswith("HTTP 500: ") and "told to fail request 2" in failed.error
+    took = failed.end_s - failed.sent_s
+    assert 0 <= took < 5
+    matrix.record("warmup-fails", took)
+
+    # (2) The measured requests are all fine, yet the cell is invalid, saying why.
+    measured = table[table["phase"] == "measured"]
+    assert len(measured) == MEASURED and measured["error"].isna().all()
+    assert half_written(tmp_path) == []
+    assert row["n_errors"] == 0 and row["n_unmeasured_errors"] == 1
+    assert not bool(row["valid"])
+    assert row["invalid_reasons"] == "1 warm-up or probe requests failed"
+
+    # (3) and (4)
+    no_survivors(sandbox, tmp_path)
+    next_run_is_clean(sandbox, tmp_path)
+
+
+def test_a_server_that_hangs_in_the_warmup_fails_the_cell_at_ten_stall_floors(sandbox, tmp_path, matrix):
+    """No request of the cell's shape has been timed yet, so the limit is 10 × stall_floor_s (here 10 s),
+    not request_timeout_s (here 300 s); the hung server is stopped, not handed to the next cell."""
+    built, cell = experiment("--stall-from-request", str(CELL_WARMUP), stall_floor_s=1, request_timeout_s=300)
+
+    # (1)
+    started = time.monotonic()
+    with pytest.raises(CellStalled) as raised:
+        run_cell(built, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    took = time.monotonic() - started
+    assert 10 <= took < 25  # the 10 s limit, plus the server's start and the guard's polling on a busy host
+    message = str(raised.value)
+    assert message.startswith(f"cell {cell.id}: the server made no progress for ")
+    assert "(limit 10 s, during the warm-up: 10 × operations.stall_floor_s): stopped, not reused" in message
+    matrix.record("warmup-hang", took, "stall_floor_s 1 s, request_timeout_s 300 s; from the server's start")
+
+    # (2) Nothing written, not even in part.
+    folder = Path(cell.path).parent
+    assert not Path(cell.path).exists()
+    assert half_written(tmp_path) == []
+    assert (sorted(folder.iterdir()) if folder.exists() else []) == []
+
+    # (3) The cell already stopped its hung server.
+    assert [row["alive"] for row in server.status(sandbox)] == [False]
+    no_survivors(sandbox, tmp_path)
+
+    # (4)
+    next_run_is_clean(sandbox, tmp_path)
