@@ -11,11 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
+import yaml
+
+from helpers import REPO, free_port_range
 
 
 @dataclass(frozen=True)
@@ -261,3 +266,36 @@ def wait_for(predicate, timeout_s: float, step_s: float = 0.2) -> bool:  # type:
             return True
         time.sleep(step_s)
     return bool(predicate())
+
+
+# ---- the grids the fault tests start from -----------------------------------------------------------
+
+
+def vllm_config(**workloads: Any) -> dict[str, Any]:
+    """The CPU demo's config with one configuration (prefix caching) and the given workloads."""
+    raw = yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text())
+    raw["configurations"] = {"prefix_cache": raw["configurations"]["prefix_cache"]}
+    raw["workloads"] = workloads or {
+        "decode": {"contexts": [256], "concurrency": [1], "output_tokens": 16, "requests_per_session": 2}
+    }
+    raw["operations"]["shutdown_timeout_s"] = 10
+    raw["operations"]["port_range"] = list(free_port_range(40))
+    return raw
+
+
+def calibration_config(*server_args: str, **workloads: Any) -> dict[str, Any]:
+    """A one-configuration grid served by the calibration server in vLLM's dialect (fast, no model)."""
+    return {
+        "experiment": {"title": "fault suite"},
+        "model": {"path": "none", "served_name": "calibration"},
+        "engine": {"command": [sys.executable, "-m", "servegrid.testing.calibration", "--model", "{model}"]},
+        "configurations": {"only": {"label": "only", "prefix_caching": True, "args": list(server_args)}},
+        "workloads": workloads
+        or {"decode": {"contexts": [32, 64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 2}},
+        "operations": {
+            "port_range": list(free_port_range(40)),
+            "startup_timeout_s": 60,
+            "shutdown_timeout_s": 5,
+            "request_timeout_s": 120,
+        },
+    }

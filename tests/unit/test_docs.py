@@ -33,3 +33,16 @@ def test_every_column_is_documented(demo_grid, tmp_path):  # noqa: F811
         columns = set(pd.read_parquet(tmp_path / f"{table}.parquet").columns)
         missing = sorted(columns - names)
         assert not missing, f"{table}: undocumented columns {missing}"
+
+
+def test_the_readme_reliability_table_lists_every_fault_the_suite_provokes():
+    """README's table is copied from the fault suite's output (results/fault-matrix.md): one row per fault."""
+    from helpers.faults import FAULTS
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## How reliable is it?", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| fault ")]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [fault.what for fault in FAULTS.values()]
+    for row in rows:
+        took = row.split(" | ")[2]
+        assert re.fullmatch(r"(no error|[\d.]+ s)( \(.+\))?", took), f"not a measured time: {row}"

@@ -334,15 +334,17 @@ def test_a_healthy_server_that_is_not_the_one_launched_is_never_used(sandbox):
     assert _group_alive(_record(sandbox, "fake")["pgid"]) == []  # and what was launched is stopped
 
 
-def test_a_hung_server_is_replaced_not_reused(sandbox):
-    """Health 200 but the engine stuck: the next cell gets a fresh server within the liveness timeout."""
-    sandbox.liveness_timeout_s = 1.0
+def test_a_hung_server_is_replaced_not_reused(sandbox, caplog):
+    """Health 200 but the engine stuck: the next cell gets a fresh server within the liveness limit
+    (10 × the start-up warm-up, at least operations.stall_floor_s)."""
+    sandbox.liveness_floor_s = 1.0
     spec = fake_spec("fake", "--hang-after", "1")  # the warm-up is answered, nothing after it
     first = server.ensure(spec, sandbox, owner=None)
     started = time.monotonic()
     second = server.ensure(spec, sandbox, owner=None)
     assert second.session != first.session
     assert time.monotonic() - started < 10
+    assert f"server session {first.session} of configuration 'fake' did not complete a tiny request" in caplog.text
 
 
 def other_pipeline(sandbox, tmp_path, **changes):  # type: ignore[no-untyped-def]

@@ -54,9 +54,13 @@ def atomic_directory(target: Path) -> Iterator[Path]:
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
+        for path in sorted(tmp.rglob("*"), reverse=True):  # contents before the folders that list them
+            _fsync(path)
+        _fsync(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
+        _fsync(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

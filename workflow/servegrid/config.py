@@ -209,9 +209,16 @@ class Experiment:
             "engine": self.engine.kind,
             "engine_args": redact.argv(self.engine.args),
             "configurations": {
-                name: {"label": c.label, "flags": redact.argv(self.configuration_flags(name)), "role": self.role(name)}
+                name: {
+                    "label": c.label,
+                    "flags": redact.argv(self.configuration_flags(name)),
+                    "role": self.role(name),
+                    "gpus": list(c.gpus),
+                }
                 for name, c in self.configurations.items()
             },
+            # The report lists configurations in the config's order; the mapping above may be stored sorted.
+            "configuration_order": list(self.configurations),
             "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
             "min_factor": self.verdict.min_factor,
             "client_cpus": list(self.operations.client_cpus),

@@ -27,9 +27,15 @@ def env(variables: Mapping[str, str]) -> dict[str, str]:
     return {k: (MASK if is_secret_name(k) else v) for k, v in variables.items()}
 
 
-def _secret_flag(arg: str) -> bool:
+def flag_name(arg: str) -> str:
+    """The long flag an argument sets, as argparse-style parsers (vLLM's among them) read it:
+    ``--a_b=1`` sets ``--a-b``. Anything else is returned as it is."""
     flag = arg.split("=", 1)[0]
-    return flag.startswith("--") and "--" + flag[2:].replace("_", "-").lower() in _SECRET_FLAGS
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
+def _secret_flag(arg: str) -> bool:
+    return flag_name(arg).lower() in _SECRET_FLAGS
 
 
 def argv(args: Sequence[str]) -> list[str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -54,6 +55,8 @@ __all__ = [
     "stop",
     "stop_all",
 ]
+
+log = logging.getLogger(__name__)
 
 OWNER_ENV = "SERVEGRID_OWNER"
 LOG_TAIL_LINES = 40
@@ -149,7 +152,7 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
             if record and state.supervised(record):
                 if record["spec_hash"] != wanted or not facts:
                     _stop_record(record, runtime, reason="replaced by a server with another spec")
-                elif _healthy(engine, record, spec) and _answers(engine, record, spec, runtime):
+                elif _healthy(engine, record, spec) and _answers(engine, record, facts, spec, runtime):
                     return ServerFacts(**facts)
                 else:
                     # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
@@ -364,13 +367,26 @@ def _wait_healthy(
             time.sleep(0.5)
 
 
-def _answers(engine: Engine, record: dict[str, Any], spec: dict[str, Any], runtime: Runtime) -> bool:
-    """The recorded server completes one tiny request within ``runtime.liveness_timeout_s``."""
+LIVENESS_FACTOR = 10
+
+
+def _answers(
+    engine: Engine, record: dict[str, Any], facts: dict[str, Any], spec: dict[str, Any], runtime: Runtime
+) -> bool:
+    """The recorded server completes one tiny request within 10 × the one it completed after start-up
+    (``facts['warmup_s']``), and at least ``runtime.liveness_floor_s``."""
+    timeout_s = max(runtime.liveness_floor_s, LIVENESS_FACTOR * float(facts.get("warmup_s") or 0.0))
+    started = time.monotonic()
     try:
-        with httpx.Client(timeout=runtime.liveness_timeout_s, headers=auth_headers(spec)) as client:
+        with httpx.Client(timeout=timeout_s, headers=auth_headers(spec)) as client:
             engine.warm_up(client, record["url"], spec["served_name"])
         return True
-    except (httpx.HTTPError, ServerError):
+    except (httpx.HTTPError, ServerError) as exc:
+        log.warning(
+            "server session %s of configuration '%s' did not complete a tiny request (%s after %.1f s, limit "
+            "%.0f s): replaced, not reused", record["session"], spec["configuration"], type(exc).__name__,
+            time.monotonic() - started, timeout_s,
+        )  # fmt: skip
         return False
 
 

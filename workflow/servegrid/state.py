@@ -40,8 +40,9 @@ class Runtime:
     port_range: tuple[int, int] = (8100, 8199)
     startup_timeout_s: float = 1800.0
     shutdown_timeout_s: float = 30.0
-    # A server to be reused must complete one tiny request within this: longer is a hung engine.
-    liveness_timeout_s: float = 60.0
+    # A server to be reused must complete one tiny request within 10 × the one it completed at start-up,
+    # and at least this long (operations.stall_floor_s): longer is a hung engine.
+    liveness_floor_s: float = 30.0
     gpus: list[int] = field(default_factory=list)
     cpus: list[int] = field(default_factory=list)
     state_dir: str = paths.STATE_DIR
@@ -55,6 +56,7 @@ class Runtime:
             port_range=(operations.port_range[0], operations.port_range[1]),
             startup_timeout_s=operations.startup_timeout_s,
             shutdown_timeout_s=operations.shutdown_timeout_s,
+            liveness_floor_s=operations.stall_floor_s,
             gpus=list(configuration.gpus) if configuration else [],
             cpus=list(configuration.cpus) if configuration else [],
         )

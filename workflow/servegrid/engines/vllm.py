@@ -47,10 +47,8 @@ _ALIASES = {
 }
 
 
-def normalized_flag(arg: str) -> str:
-    """The flag an argument sets, as vLLM's parser reads it: ``--a_b=1`` is ``--a-b``."""
-    flag = arg.split("=", 1)[0]
-    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+# The flag an argument sets, as vLLM's parser reads it: ``--a_b=1`` is ``--a-b``.
+normalized_flag = redact.flag_name
 
 
 def canonical_name(sample_name: str) -> str:

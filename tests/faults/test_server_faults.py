@@ -1,0 +1,303 @@
+"""The server's faults and Snakemake's end, provoked for real on vLLM (CPU build) under Snakemake.
+
+Each test checks the four things of helpers.faults: the time to a clear error, what is left on disk,
+that no process survives (the whole server tree: API server, engine core, workers), and that the next
+run completes the grid. A vLLM CPU start costs about a minute, so grids are one or two small cells.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from helpers import snakemake, write_yaml
+from helpers.faults import half_written, vllm_config, wait_for, wait_no_survivors
+
+pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
+
+CELL = "results/cells/prefix_cache/decode/ctx256_c1.parquet"
+CELL_LOG = "results/logs/cells/prefix_cache/decode/ctx256_c1.log"
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.MULTILINE)
+
+
+def long_cell(**operations: Any) -> dict[str, Any]:
+    """One decode cell that measures for tens of seconds: time to provoke a fault while it measures."""
+    raw = vllm_config(decode={"contexts": [256], "concurrency": [1], "output_tokens": 64, "requests_per_session": 40})
+    raw["operations"].update(operations)
+    return raw
+
+
+def start(workdir: Path, raw: dict[str, Any], target: str = "aggregate") -> subprocess.Popen:
+    """Snakemake in its own session, as in a terminal; output to a file (a pipe could fill up and block)."""
+    write_yaml(workdir / "fault.yaml", raw)
+    with open(workdir / "snakemake.out", "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "snakemake", "--cores", "1", target, "--configfile", "fault.yaml"],
+            cwd=workdir,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            # As in a terminal: a test runner started in the background inherits SIGINT ignored.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+
+
+def wait_measuring(workdir: Path, log: str = CELL_LOG, timeout_s: float = 600) -> None:
+    """Until the cell's server is up and the cell runs on it."""
+    path = workdir / log
+    assert wait_for(lambda: path.exists() and " on http://" in path.read_text(), timeout_s), "no cell started"
+
+
+def server_record(workdir: Path, configuration: str = "prefix_cache") -> dict[str, Any]:
+    return json.loads((workdir / "results" / ".servegrid" / f"{configuration}.json").read_text())
+
+
+def engine_core(record: dict[str, Any]) -> psutil.Process:
+    """vLLM's engine process: renamed VLLM::EngineCore, in the API server's process group."""
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) == record["pgid"] and "EngineCore" in " ".join(proc.cmdline() or [proc.name()]):
+                return proc
+    raise AssertionError(f"no engine core in process group {record['pgid']}")
+
+
+def log_seconds(text: str, end: str) -> float:
+    """Seconds from a job log's first timestamped line to the first line containing ``end``."""
+    first = None
+    for line in text.splitlines():
+        match = LOG_TIME.match(line)
+        if not match:
+            continue
+        when = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f")
+        first = first or when
+        if end in line:
+            return (when - first).total_seconds()
+    raise AssertionError(f"no log line with {end!r} in:\n{text[-3000:]}")
+
+
+def rerun_completes(workdir: Path, expected: list[str] = [CELL]) -> None:  # noqa: B006 - read only
+    """Check 4: the same command again, fault gone, completes the grid."""
+    result = snakemake(workdir, "--cores", "1", "aggregate", "--configfile", "fault.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert all((workdir / cell).exists() for cell in expected)
+    assert (workdir / "results" / "tables" / "summary.parquet").exists()
+    assert wait_no_survivors(workdir, 45) == []
+
+
+def ended_cleanly(workdir: Path, proc: subprocess.Popen, cell: str | None = CELL) -> None:
+    """Checks 2 and 3 after a failed or interrupted run: no half or false cell file, no process."""
+    proc.wait(timeout=300)
+    if cell is not None:
+        assert not (workdir / cell).exists()
+    assert half_written(workdir) == []
+    assert wait_no_survivors(workdir, 45) == []
+
+
+# ---- the server's own faults -------------------------------------------------------------------------
+
+
+def test_server_killed_mid_cell(workdir, matrix):
+    proc = start(workdir, long_cell())
+    wait_measuring(workdir)
+    time.sleep(3)  # into the measured phase
+    os.kill(server_record(workdir)["server"]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    proc.wait(timeout=300)
+    seconds = time.monotonic() - killed
+    log = (workdir / CELL_LOG).read_text()
+    assert proc.returncode != 0
+    assert "lost the server" in log or "measured requests failed" in log, log[-3000:]
+    assert "Server log: " in log and "--- last lines ---" in log
+    ended_cleanly(workdir, proc)
+    matrix.record("server-killed", seconds, "to the end of the run")
+    rerun_completes(workdir)
+
+
+def test_engine_hang_mid_cell(workdir, matrix):
+    proc = start(workdir, long_cell(stall_floor_s=2, request_timeout_s=600))
+    wait_measuring(workdir)
+    time.sleep(4)  # past the warm-up, into the measured phase
+    core = engine_core(server_record(workdir))
+    core.send_signal(signal.SIGSTOP)  # the engine stops; the API server's /health still says 200
+    stopped = time.monotonic()
+    proc.wait(timeout=400)
+    seconds = time.monotonic() - stopped
+    log = (workdir / CELL_LOG).read_text()
+    assert proc.returncode != 0
+    assert re.search(r"made no progress for \d+ s with requests in flight \(limit \d+ s, from this cell's warm-up\): "
+                     r"stopped, not reused", log), log[-3000:]  # fmt: skip
+    assert seconds < 300  # not request_timeout_s (600 s here; 1800 s in config.yaml)
+    ended_cleanly(workdir, proc)
+    matrix.record("engine-hang", seconds, "to the end of the run")
+    rerun_completes(workdir)
+
+
+def test_engine_hang_between_cells_is_not_reused(workdir, matrix):
+    raw = vllm_config(decode={"contexts": [256, 512], "concurrency": [1], "output_tokens": 16})
+    raw["operations"]["stall_floor_s"] = 3
+    proc = start(workdir, raw)
+    first = workdir / CELL
+    assert wait_for(first.exists, 600, step_s=0.05), "the first cell never finished"
+    hung = server_record(workdir)
+    engine_core(hung).send_signal(signal.SIGSTOP)  # before the second cell's job asks to reuse the server
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (workdir / "snakemake.out").read_text()[-3000:]
+    second_log = (workdir / "results/logs/cells/prefix_cache/decode/ctx512_c1.log").read_text()
+    replaced = f"server session {hung['session']} of configuration 'prefix_cache' did not complete a tiny request"
+    assert replaced in second_log
+    match = re.search(r"\(ReadTimeout after ([\d.]+) s, limit (\d+) s\): replaced, not reused", second_log)
+    assert match, second_log[-3000:]
+    assert (workdir / "results/cells/prefix_cache/decode/ctx512_c1.parquet").exists()
+    from servegrid import records
+
+    measured_on = records.read_cell(workdir / "results/cells/prefix_cache/decode/ctx512_c1.parquet")[1]["server"]
+    assert measured_on["session"] != hung["session"]
+    assert half_written(workdir) == []
+    assert wait_no_survivors(workdir, 45) == []  # the SIGSTOPped engine included
+    matrix.record("hang-between-cells", float(match[1]), "the liveness check")
+
+
+def test_supervisor_killed_takes_the_server_with_it(workdir, matrix):
+    proc = start(workdir, long_cell())
+    wait_measuring(workdir)
+    record = server_record(workdir)
+    os.kill(record["supervisor"]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    # PR_SET_PDEATHSIG: the kernel sends the API server SIGTERM; vLLM shuts its engine down itself.
+    server_tree = [psutil.Process(record["server"]["pid"]), engine_core(record)]
+    assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in server_tree), 60)
+    gone_after = time.monotonic() - killed
+    proc.wait(timeout=300)
+    log = (workdir / CELL_LOG).read_text()
+    assert proc.returncode != 0
+    assert "lost the server" in log or "measured requests failed" in log, log[-3000:]
+    ended_cleanly(workdir, proc)
+    matrix.record("supervisor-killed", gone_after, "until the server's processes are gone")
+    rerun_completes(workdir)
+
+
+# ---- Snakemake's end -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "sig"),
+    [("snakemake-sigint", signal.SIGINT), ("snakemake-sigterm", signal.SIGTERM), ("snakemake-sigkill", signal.SIGKILL)],
+)
+def test_no_server_outlives_snakemake(workdir, matrix, fault, sig):
+    raw = long_cell()
+    if sig == signal.SIGTERM:  # Snakemake lets the running cell finish: keep it short
+        raw["workloads"]["decode"]["requests_per_session"] = 10
+    proc = start(workdir, raw)
+    wait_measuring(workdir)
+    try:
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole foreground group
+        else:
+            os.kill(proc.pid, sig)  # only Snakemake itself
+        signalled = time.monotonic()
+        proc.wait(timeout=300)
+        # After kill -9 no handler runs in Snakemake: the supervisor must notice its owner is gone.
+        assert wait_no_survivors(workdir, 45) == [], f"processes still running after {fault}"
+        seconds = time.monotonic() - signalled
+        if sig != signal.SIGTERM:
+            assert not (workdir / CELL).exists()  # interrupted: no file that looks complete
+        assert half_written(workdir) == []
+        matrix.record(fault, seconds, "until no process is left")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the orphaned cell job after kill -9
+    rerun_completes(workdir)
+
+
+def test_kill_9_as_the_next_cell_starts_leaves_no_server(workdir, matrix):
+    raw = vllm_config(decode={"contexts": [256, 512], "concurrency": [1], "output_tokens": 16})
+    proc = start(workdir, raw)
+    second_log = workdir / "results/logs/cells/prefix_cache/decode/ctx512_c1.log"
+    try:
+        assert wait_for(second_log.exists, 600, step_s=0.02), "the second cell never started"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert wait_no_survivors(workdir, 60) == []
+        seconds = time.monotonic() - killed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    sessions = list((workdir / "results/servers/prefix_cache/logs").glob("*[0-9a-f].log"))
+    assert len(sessions) == 1, f"a server was started after its owner was gone: {sessions}"
+    assert not (workdir / "results/cells/prefix_cache/decode/ctx512_c1.parquet").exists()
+    assert half_written(workdir) == []
+    matrix.record("snakemake-sigkill-next-cell", seconds, "until no process is left")
+    rerun_completes(workdir, [CELL, "results/cells/prefix_cache/decode/ctx512_c1.parquet"])
+
+
+# ---- start-up faults and a server's own limit ----------------------------------------------------------
+
+
+def test_keep_going_past_a_broken_server_and_a_too_long_cell(workdir, matrix):
+    raw = vllm_config(decode={"contexts": [256, 40000], "concurrency": [1], "output_tokens": 16})
+    # No --max-model-len in the config, so that only the running server can tell that 40,000 tokens do not
+    # fit (the tiny model's 32,768 positions); with it in the config, the config itself is refused.
+    raw["engine"]["args"] = ["--load-format", "dummy"]
+    raw["configurations"] = {
+        "broken": {"label": "broken", "prefix_caching": True, "args": ["--no-such-flag"]},
+        "prefix_cache": raw["configurations"]["prefix_cache"],
+    }
+    write_yaml(workdir / "fault.yaml", raw)
+    result = snakemake(workdir, "--cores", "1", "--keep-going", "aggregate", "--configfile", "fault.yaml")
+    assert result.returncode != 0
+    assert "Error in rule cell" in result.stdout + result.stderr
+    cells = workdir / "results" / "cells"
+    # The healthy configuration still ran; the 40,000-token cell exceeds the server's context: refused unmeasured.
+    assert (workdir / CELL).exists()
+    assert not (cells / "prefix_cache" / "decode" / "ctx40000_c1.parquet").exists()
+    assert not list(cells.glob("broken/**/*.parquet"))
+    logs = [(workdir / f"results/logs/cells/broken/decode/ctx{c}_c1.log").read_text() for c in (256, 40000)]
+    for log in logs:  # whichever cell ran first started the server; the other did not retry
+        assert "exited during start-up" in log
+        assert "unrecognized arguments: --no-such-flag" in log  # the server log's tail
+        assert "results/servers/broken/logs/" in log
+    assert sum("failed earlier in this run, not retried" in log for log in logs) == 1
+    seconds = max(float(m[1]) for log in logs if (m := re.search(r"after ([\d.]+) s\)", log)))
+    assert seconds < 60  # vLLM parses its arguments after importing torch: about 10 s here
+    too_long_log = (workdir / "results/logs/cells/prefix_cache/decode/ctx40000_c1.log").read_text()
+    assert re.search(r"workloads\.decode\.contexts: at context 40000 a request holds about 40016 tokens, more than "
+                     r"the 32768 the running server accepts", too_long_log)  # fmt: skip
+    assert half_written(workdir) == []
+    assert wait_no_survivors(workdir, 30) == []
+    matrix.record("server-fails-to-start", seconds, "vLLM's own exit")
+    matrix.record("context-over-server-limit", log_seconds(too_long_log, " ERROR "), "from the job's first log line")
+    # The next run with the broken configuration fixed and the context shortened completes the grid.
+    raw["configurations"]["broken"]["args"] = []
+    raw["workloads"]["decode"]["contexts"] = [256]
+    write_yaml(workdir / "fault.yaml", raw)
+    rerun_completes(workdir, [CELL, "results/cells/broken/decode/ctx256_c1.parquet"])
+
+
+def test_a_server_that_is_not_healthy_in_time_is_stopped(workdir, matrix):
+    raw = vllm_config()
+    raw["operations"]["startup_timeout_s"] = 3
+    write_yaml(workdir / "fault.yaml", raw)
+    started = time.monotonic()
+    result = snakemake(workdir, "--cores", "1", "aggregate", "--configfile", "fault.yaml")
+    seconds = time.monotonic() - started
+    assert result.returncode != 0
+    log = (workdir / CELL_LOG).read_text()
+    assert "did not become healthy within 3 s (operations.startup_timeout_s); it was stopped" in log
+    assert not (workdir / CELL).exists() and half_written(workdir) == []
+    assert wait_no_survivors(workdir, 30) == []
+    matrix.record("server-not-healthy", seconds, "the whole run, `startup_timeout_s` = 3 s")
+    raw["operations"]["startup_timeout_s"] = 600
+    write_yaml(workdir / "fault.yaml", raw)
+    rerun_completes(workdir)
