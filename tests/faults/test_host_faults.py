@@ -31,10 +31,9 @@ from urllib.parse import urlparse
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from faults.conftest import calibration_config
 
 from helpers import copy_workflow, write_yaml
-from helpers.faults import half_written, kill_survivors, wait_for, wait_no_survivors
+from helpers.faults import calibration_config, half_written, kill_survivors, wait_for, wait_no_survivors
 from servegrid import paths, procs, records
 from servegrid.config import Experiment
 
@@ -106,6 +105,11 @@ def sessions_of(workdir: Path) -> set[str]:
     """The server sessions this pipeline launched: one log each."""
     logs = workdir / paths.server_log_dir("only")
     return {p.name.removesuffix(".log") for p in logs.glob("*.log") if not p.name.endswith(".supervisor.log")}
+
+
+def records_of(workdir: Path) -> dict[str, Any]:
+    """The server record the pipeline's last server left (its supervisor writes it)."""
+    return json.loads((workdir / paths.STATE_DIR / "only.json").read_text())
 
 
 def cell_server(cell: Path) -> dict[str, Any]:
@@ -197,7 +201,7 @@ def test_port_taken(workdir: Path, matrix):  # type: ignore[no-untyped-def]
     assert_clean(workdir)
     rerun = assert_rerun_completes(workdir)
     assert "Nothing to be done" in said(rerun)
-    matrix.record("port-taken", None, f"served on port {min(ports) - taken} above the taken one")
+    matrix.record("port-taken", None, f"the server took port {min(ports)}, {taken} being taken")
 
 
 def test_two_pipelines(tmp_path: Path, matrix):  # type: ignore[no-untyped-def]
@@ -233,11 +237,7 @@ def test_two_pipelines(tmp_path: Path, matrix):  # type: ignore[no-untyped-def]
     assert lives[0]["launched_at"] < lives[1]["ended_at"] and lives[1]["launched_at"] < lives[0]["ended_at"], lives
     for workdir in (first, second):
         assert "Nothing to be done" in said(assert_rerun_completes(workdir))
-    matrix.record("two-pipelines", None, f"ports {sorted(ports_a)} and {sorted(ports_b)}")
-
-
-def records_of(workdir: Path) -> dict[str, Any]:
-    return json.loads((workdir / paths.STATE_DIR / "only.json").read_text())
+    matrix.record("two-pipelines", None, f"both servers up at once, on ports {min(ports_a)} and {min(ports_b)}")
 
 
 def test_stale_records(done: Path, stranger: subprocess.Popen, matrix):  # type: ignore[no-untyped-def]
@@ -262,8 +262,11 @@ def test_stale_records(done: Path, stranger: subprocess.Popen, matrix):  # type:
     assert [o["session"] for o in outcomes] == [stale["session"]]  # it says which record it handled...
     assert not outcomes[0]["was_running"], outcomes  # ...and does not claim a server of that session ran
     assert outcomes[0]["left_running"] == []
-    # The next run must start a server despite the stale record: one of its cells is missing.
+    # The next run must start a server despite the stale record: one of its cells is missing (and the tables
+    # made from it, or the aggregate target would not ask for the cell again).
     grid_cells(workdir)[-1].unlink()
+    for table in TABLES:
+        (workdir / table).unlink()
     rerun = assert_rerun_completes(workdir)
     assert cells_run(rerun) == [str(grid_cells(workdir)[-1].relative_to(workdir))]
     assert len(sessions_of(workdir)) == 2  # a new server, beside the stopped one's log
@@ -288,10 +291,10 @@ def test_disk_full(workdir: Path, matrix):  # type: ignore[no-untyped-def]
     assert not (workdir / cell).exists()
     assert not list((workdir / "results").rglob("*.parquet"))
     assert_clean(workdir)
-    # The cell's log, where Snakemake says to look, names the file and the error.
-    text = (workdir / log).read_text()
-    assert "File too large" in text and cell in text, (text, tail(output))
+    text = (workdir / log).read_text()  # before the rerun writes it again
     assert_rerun_completes(workdir)
+    # The cell's log, where Snakemake says to look, names the file and the error.
+    assert "File too large" in text and cell in text, (text, tail(output))
     matrix.record("disk-full", took, "whole run: server start, one cell measured, its write refused")
 
 
