@@ -57,7 +57,7 @@ test: setup system-deps lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean-results:
-	$(VENV)/bin/servegrid server down --all --config config/cpu-demo.yaml || true
+	$(VENV)/bin/servegrid --config config/cpu-demo.yaml server down --all || true
 	rm -rf results .snakemake
 
 # The client's accuracy and headroom (docs/accuracy.md); writes benchmarks/out/*.json.

@@ -133,7 +133,7 @@ FAULTS: dict[str, Fault] = {
         "nothing left to do (the cell is judged by `validity`)",
     ),
     "wire-5xx": Fault(
-        "HTTP 500 for one request",
+        "HTTP 500 or 503 for one request",
         "that request is an error, counted; the rest of the cell is measured",
         "nothing left to do (the cell is judged by `validity`)",
     ),
@@ -154,7 +154,7 @@ FAULTS: dict[str, Fault] = {
     ),
     # ---- bad input ---------------------------------------------------------------------------------
     "config-duplicate-key": Fault(
-        "a YAML key given twice (two `ngram:` configurations)",
+        "a YAML key given twice (two configurations of one name)",
         "refused before anything runs, naming both lines",
         "runs once the key is fixed",
     ),

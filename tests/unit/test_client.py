@@ -225,6 +225,8 @@ def test_a_silent_server_fails_the_request_on_the_read_timeout(calibration):
         (b'{"choices": [{"text": "a"}], "usage": {"prompt_tokens": "4", "completion_tokens": 2}}', "not an integer"),
         (b'{"choices": [{"text": 5}], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}', "not a string"),
         (b"{not json", "malformed SSE event"),
+        # Text without a count in a stream that counts: its tokens would be timed at the next count's read.
+        (b'{"choices": [{"text": "b"}], "usage": {"completion_tokens": null}}', "its tokens are untimed"),
     ],
 )
 def test_a_malformed_event_fails_its_request_not_the_cell(event, named):

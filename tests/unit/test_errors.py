@@ -13,7 +13,7 @@ from servegrid import errors
 
 def test_every_expected_error_descends_from_the_root():
     for error in (errors.ConfigError, errors.UnknownModeError, errors.ServerError, errors.CellError,
-                  errors.CellFileError, errors.ReportError):  # fmt: skip
+                  errors.CellFileError, errors.OutputError, errors.ReportError):  # fmt: skip
         assert issubclass(error, errors.ServegridError)
 
 

@@ -33,3 +33,29 @@ def test_a_file_that_is_not_a_cell_file_is_named(tmp_path):
     path.write_bytes(b"PAR1 not really")
     with pytest.raises(CellFileError, match=r"x\.parquet"):
         records.read_cell(path)
+
+
+def test_a_cell_that_cannot_be_written_is_an_error_naming_it_and_leaves_nothing(tmp_path):
+    """As on a full disk: the write fails, the error names the file, no file or partial one is left."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    script = (
+        "import resource, sys\n"
+        "from helpers import synthetic_cell\n"
+        "from servegrid.errors import guarded\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        f"sys.exit(guarded(lambda: synthetic_cell({str(tmp_path / 'cell.parquet')!r}, 'a', 'decode', 512, 2, "
+        "ttft_s=0.1, interval_s=0.01, requests=200, output_tokens=64)))\n"
+    )
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] != 0
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stderr
+    assert f"{tmp_path / 'cell.parquet'}: cannot write it (" in result.stderr
+    assert "File too large" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from servegrid.errors import OutputError
+
 
 @contextlib.contextmanager
 def atomic_path(target: Path | str) -> Iterator[Path]:
@@ -33,6 +35,8 @@ def atomic_path(target: Path | str) -> Iterator[Path]:
         _fsync(tmp)
         os.replace(tmp, target)
         _fsync(target.parent)
+    except OSError as exc:  # disk full, file too large (RLIMIT_FSIZE), permissions
+        raise OutputError(f"{target}: cannot write it ({exc}); nothing was written") from exc
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -61,6 +65,8 @@ def atomic_directory(target: Path) -> Iterator[Path]:
             shutil.rmtree(target)
         os.replace(tmp, target)
         _fsync(target.parent)
+    except OSError as exc:
+        raise OutputError(f"{target}: cannot write it ({exc}); nothing was written") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

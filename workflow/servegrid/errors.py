@@ -13,6 +13,7 @@ else is a bug and keeps its traceback.
     ├── CellError          a cell could not be measured; nothing was written
     │   └── CellStalled        its server stopped making progress: it is stopped, never reused
     ├── CellFileError      a cell file cannot be read back
+    ├── OutputError        an output cannot be written (disk full, file too large, permissions)
     └── ReportError        figures or a report could not be built
 """
 
@@ -56,6 +57,11 @@ class CellStalled(CellError):
 
 class CellFileError(ServegridError):
     """A cell file cannot be read: damaged, truncated or not servegrid's; the message names the file."""
+
+
+class OutputError(ServegridError):
+    """An output cannot be written (disk full, file too large, no permission); the message names it.
+    Nothing that looks complete is left: outputs are written atomically (servegrid.atomic)."""
 
 
 class ReportError(ServegridError):

@@ -35,6 +35,13 @@ class ProcessRef:
         except psutil.Error:
             return False
 
+    def carries(self, session: str) -> bool:
+        """Alive, and one of that server session's processes (:data:`SESSION_ENV` in its environment)."""
+        try:
+            return self.alive() and in_session(psutil.Process(self.pid), session)
+        except psutil.Error:
+            return False
+
     def to_dict(self) -> dict[str, float]:
         return {"pid": self.pid, "create_time": self.create_time}
 

@@ -83,7 +83,7 @@ def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, A
     """Write the cell atomically: the file appears complete or not at all."""
     schema = CELL_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True, default=str).encode()})
     table = pa.table(rows(records), schema=schema)
-    with atomic.atomic_path(path) as tmp:
+    with atomic.atomic_path(path) as tmp:  # a write that fails (disk full) is an OutputError naming the path
         # Page checksums: a bit flipped on disk is an error on read, never a silently wrong latency.
         pq.write_table(table, tmp, write_page_checksum=True)
 

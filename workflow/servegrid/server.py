@@ -410,17 +410,24 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
     supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
     server = procs.ProcessRef.from_dict(record.get("server"))
     pgid = record.get("pgid")
-    outcome = {"session": record["session"], "reason": reason, "was_running": bool(server and server.alive())}
-    if supervisor and supervisor.alive():
+    session = record["session"]
+
+    def ours(ref: procs.ProcessRef | None) -> bool:
+        # Pid and start time, and the session in its environment: a record from before a reboot can name a
+        # process that is someone else's now.
+        return ref is not None and ref.carries(session)
+
+    outcome = {"session": session, "reason": reason, "was_running": ours(server)}
+    if ours(supervisor):
+        assert supervisor is not None
         with contextlib.suppress(ProcessLookupError):  # it may end by itself in between
             os.kill(supervisor.pid, signal.SIGTERM)
         procs.wait_gone([supervisor], runtime.shutdown_timeout_s + 10)
     # Only processes that carry this session are ever signalled: a recorded pid or group number
     # may have been reused by now (the server exited long ago, the machine rebooted).
-    session = record["session"]
-    if pgid and (procs.group_members(pgid, session) or (server and server.alive())):
+    if pgid and (procs.group_members(pgid, session) or ours(server)):
         # Supervisor missing or too slow: do its job.
-        extra = procs.tree(server.pid) if server and server.alive() else []
+        extra = procs.tree(server.pid) if server and ours(server) else []
         procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, extra=extra, session=session)
     leftovers = procs.group_members(pgid, session) if pgid else []
     outcome["left_running"] = [p.pid for p in leftovers]
