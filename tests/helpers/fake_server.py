@@ -58,6 +58,16 @@ class Handler(BaseHTTPRequestHandler):
         self._json({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
 
 
+def blank_environment_in_proc() -> None:
+    """As vLLM's engine core renames itself (setproctitle: ``VLLM::EngineCore``): the memory that
+    /proc/PID/environ shows is overwritten, so the process's session variable cannot be read there."""
+    import ctypes
+
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115 - read once
+    env_start, env_end = int(fields[47]), int(fields[48])  # fields 50 and 51 of proc(5)
+    ctypes.memset(env_start, 0, env_end - env_start)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
@@ -76,6 +86,7 @@ def main() -> int:
         return 2
     child = os.fork()
     if child == 0:  # the "engine core": same process group, outlives a SIGKILLed parent
+        blank_environment_in_proc()
         if args.ignore_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         while True:

@@ -408,3 +408,20 @@ def test_a_server_that_exited_while_its_supervisor_winds_down_is_replaced(sandbo
     os.kill(record["server"]["pid"], signal.SIGKILL)  # its engine child lives on: the supervisor must clean up
     second = server.ensure(fake_spec("fake"), sandbox, owner=None)
     assert second.session != first.session
+
+
+def test_an_engine_that_renamed_itself_is_stopped_when_its_server_is_killed(sandbox):
+    """vLLM's engine core renames itself, which blanks the environment /proc shows (no session to read);
+    orphaned by a SIGKILLed API server, it is still found, by the pid and start time its supervisor recorded."""
+    import re
+
+    from helpers.faults import wait_for
+
+    server.ensure(fake_spec("fake"), sandbox, owner=None)
+    record = _record(sandbox, "fake")
+    engine = int(re.search(r"engine child pid (\d+)", Path(record["log_path"]).read_text())[1])
+    assert not procs.in_session(psutil.Process(engine), record["session"])  # as with vLLM: unreadable
+    assert wait_for(lambda: {"pid": engine} in [{"pid": m["pid"]} for m in _record(sandbox, "fake")["members"]], 10)
+    os.kill(record["server"]["pid"], signal.SIGKILL)
+    assert wait_for(lambda: not psutil.pid_exists(engine) or psutil.Process(engine).status() == "zombie", 15)
+    assert wait_for(lambda: _record(sandbox, "fake")["status"] == "exited", 10)

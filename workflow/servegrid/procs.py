@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import psutil
@@ -78,42 +78,58 @@ def group_members(pgid: int, session: str | None = None) -> list[psutil.Process]
     return members
 
 
-def tree(pid: int) -> list[psutil.Process]:
-    """``pid`` and all its descendants (those that left its process group too)."""
+def tree(pid: int) -> list[ProcessRef]:
+    """``pid`` and all its descendants (those that left its process group too), as identities."""
+    refs = []
     try:
         root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                refs.append(ProcessRef(proc.pid, proc.create_time()))
     except psutil.Error:
-        return []
+        pass
+    return refs
 
 
 def terminate_group(
-    pgid: int, grace_s: float, extra: list[psutil.Process] | None = None, session: str | None = None
+    pgid: int, grace_s: float, session: str | None = None, known: Iterable[ProcessRef] = ()
 ) -> dict[str, int]:
-    """SIGTERM the whole group (and ``extra`` processes), SIGKILL what is left after ``grace_s``.
+    """SIGTERM the whole group and the ``known`` processes, SIGKILL what is left after ``grace_s``.
 
-    Given ``session``, only processes that carry it are signalled, one by one, never the group
-    as such. Returns how many processes each signal reached, for the record.
+    Given ``session``, only group members that carry it are signalled, one by one, never the group as
+    such; ``known`` processes are signalled if their pid and start time still match. The two differ
+    because a process that renames itself (vLLM's ``VLLM::EngineCore``, through setproctitle) overwrites
+    its environment as /proc shows it, so the session cannot be read from it: the supervisor records
+    those by identity while they live. Returns how many processes each signal reached, for the record.
     """
     if pgid in (0, 1, os.getpgrp()):
         raise ValueError(f"refusing to signal process group {pgid}: it is not a server's own group")
-    extra = [p for p in extra or [] if session is None or in_session(p, session)]
-    targets = {p.pid: p for p in group_members(pgid, session) + extra}
+    known = list(known)
+
+    def targets() -> dict[int, psutil.Process]:
+        found = {p.pid: p for p in group_members(pgid, session)}
+        for ref in known:
+            with contextlib.suppress(psutil.Error):
+                if ref.alive():
+                    found[ref.pid] = psutil.Process(ref.pid)
+        return found
+
+    first = targets()
     if session is None:
         _signal_group(pgid, signal.SIGTERM)
-    for proc in targets.values():
+    for proc in first.values():
         _signal(proc, signal.SIGTERM)
         # A stopped process (a hung engine found SIGSTOPped, say) handles SIGTERM only once it runs again.
         _signal(proc, signal.SIGCONT)
-    _, alive = psutil.wait_procs(list(targets.values()), timeout=grace_s)
+    _, alive = psutil.wait_procs(list(first.values()), timeout=grace_s)
     # Members may have forked during shutdown: look again.
-    leftovers = {p.pid: p for p in alive + group_members(pgid, session)}
+    leftovers = {p.pid: p for p in alive} | targets()
     if session is None:
         _signal_group(pgid, signal.SIGKILL)
     for proc in leftovers.values():
         _signal(proc, signal.SIGKILL)
     psutil.wait_procs(list(leftovers.values()), timeout=5)
-    return {"sigterm": len(targets), "sigkill": len(leftovers)}
+    return {"sigterm": len(first), "sigkill": len(leftovers)}
 
 
 def watch(ref: ProcessRef, on_gone: Callable[[], None], interval_s: float = 0.5) -> threading.Event:

@@ -423,13 +423,17 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
         with contextlib.suppress(ProcessLookupError):  # it may end by itself in between
             os.kill(supervisor.pid, signal.SIGTERM)
         procs.wait_gone([supervisor], runtime.shutdown_timeout_s + 10)
-    # Only processes that carry this session are ever signalled: a recorded pid or group number
-    # may have been reused by now (the server exited long ago, the machine rebooted).
-    if pgid and (procs.group_members(pgid, session) or ours(server)):
+    # Only processes that carry this session, or that its supervisor recorded by pid and start time, are
+    # ever signalled: a recorded pid or group number may be someone else's by now (a reboot, say).
+    latest = state.read(state.record_path(runtime, record["configuration"]))
+    if latest is None or latest.get("session") != session:
+        latest = record  # the supervisor may have added members since ``record`` was read
+    if pgid and (state.server_processes(latest) or ours(server)):
         # Supervisor missing or too slow: do its job.
-        extra = procs.tree(server.pid) if server and ours(server) else []
-        procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, extra=extra, session=session)
-    leftovers = procs.group_members(pgid, session) if pgid else []
+        known = [procs.ProcessRef(int(m["pid"]), float(m["create_time"])) for m in latest.get("members") or []]
+        known += procs.tree(server.pid) if server and ours(server) else []
+        procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, session=session, known=known)
+    leftovers = state.server_processes(latest) if pgid else []
     outcome["left_running"] = [p.pid for p in leftovers]
     final = state.read(state.record_path(runtime, record["configuration"])) or record
     outcome["returncode"] = final.get("returncode")

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from servegrid import paths, procs
 from servegrid.sections import Configuration, Operations
 
@@ -174,12 +176,23 @@ def supervised(record: dict[str, Any]) -> bool:
     return live(record) and bool(supervisor and supervisor.alive())
 
 
-def anything_running(record: dict[str, Any]) -> bool:
-    """Whether any process of ``record`` still runs: its supervisor, its server, or one of the server's group."""
-    supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
+def server_processes(record: dict[str, Any]) -> list[psutil.Process]:
+    """The live processes of ``record``'s server: members of its group that carry its session, and the
+    processes its supervisor recorded by pid and start time (procs.terminate_group says why both)."""
     pgid, session = record.get("pgid"), record.get("session")
-    members = procs.group_members(pgid, session) if pgid and session else []
-    return live(record) or bool(supervisor and supervisor.alive()) or bool(members)
+    found = {p.pid: p for p in (procs.group_members(pgid, session) if pgid and session else [])}
+    for member in record.get("members") or []:
+        ref = procs.ProcessRef.from_dict(member)
+        with contextlib.suppress(psutil.Error):
+            if ref is not None and ref.alive():
+                found[ref.pid] = psutil.Process(ref.pid)
+    return list(found.values())
+
+
+def anything_running(record: dict[str, Any]) -> bool:
+    """Whether any process of ``record`` still runs: its supervisor, its server, or one of the server's."""
+    supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
+    return live(record) or bool(supervisor and supervisor.alive()) or bool(server_processes(record))
 
 
 def live(record: dict[str, Any]) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 from servegrid import atomic, procs, redact
 
 POLL_S = 0.2
+MEMBERS_EVERY_S = 1.0
 
 
 def now_iso() -> str:
@@ -38,6 +39,8 @@ class Supervisor:
         self.owner = procs.ProcessRef.from_dict(launch.get("owner"))
         self.grace_s = float(launch["shutdown_timeout_s"])
         self.stop_reason: str | None = None
+        self.members: list[procs.ProcessRef] = []
+        self._members_checked = float("-inf")
         self.record: dict[str, Any] = {
             "session": launch["session"],
             "configuration": launch["configuration"],
@@ -60,6 +63,18 @@ class Supervisor:
     def _write(self, **changes: Any) -> None:
         self.record.update(changes)
         atomic.write_json(self.record_path, self.record)
+
+    def _remember_members(self, server_pid: int, now: bool = False) -> None:
+        """Every process of the server's tree, by pid and start time, in memory and in the record: what a
+        stop signals besides the session's carriers (procs.terminate_group says why both)."""
+        checked = time.monotonic()
+        if not now and checked - self._members_checked < MEMBERS_EVERY_S:
+            return
+        self._members_checked = checked
+        fresh = [ref for ref in procs.tree(server_pid) if ref not in self.members]
+        if fresh:
+            self.members += fresh
+            self._write(members=[ref.to_dict() for ref in self.members])
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stop_reason = f"stop requested ({signal.Signals(signum).name})"
@@ -91,23 +106,23 @@ class Supervisor:
             self._write(status="exited", returncode=127, ended_at=now_iso(), end_reason=f"exec failed: {exc}")
             return 1
         server = procs.ProcessRef.of(proc.pid)
-        self._write(server=server.to_dict(), pgid=proc.pid, status="running")
+        self._write(server=server.to_dict(), pgid=proc.pid, status="running", members=[])
+        session = self.launch["session"]
 
         while True:
             returncode = proc.poll()
             if returncode is not None:
-                # The API server is gone; its engine processes may not be.
-                procs.terminate_group(proc.pid, grace_s=min(self.grace_s, 5.0), session=self.launch["session"])
+                # The API server is gone; its engine processes may not be (orphaned, found by identity).
+                procs.terminate_group(proc.pid, grace_s=min(self.grace_s, 5.0), session=session, known=self.members)
                 self._write(status="exited", returncode=returncode, ended_at=now_iso(), end_reason="server exited")
                 return 0
+            self._remember_members(proc.pid)
             if self.stop_reason is None and self.owner is not None and not self.owner.alive():
                 self.stop_reason = f"owner process {self.owner.pid} is gone"
             if self.stop_reason is not None:
                 self._write(status="stopping", end_reason=self.stop_reason)
-                extra = procs.tree(proc.pid)
-                signals = procs.terminate_group(
-                    proc.pid, grace_s=self.grace_s, extra=extra, session=self.launch["session"]
-                )
+                self._remember_members(proc.pid, now=True)
+                signals = procs.terminate_group(proc.pid, grace_s=self.grace_s, session=session, known=self.members)
                 proc.wait()
                 self._write(
                     status="stopped",
