@@ -67,12 +67,12 @@ FAULTS: dict[str, Fault] = {
     "snakemake-sigkill": Fault(
         "`kill -9` of Snakemake while a cell measures",
         "the supervisor sees its owner gone and stops the server; the orphaned cell job stops at once; no cell file",
-        "measures the cell again",
+        "`snakemake --unlock` (Snakemake's lock outlives `kill -9`), then measures the cell again",
     ),
     "snakemake-sigkill-next-cell": Fault(
         "`kill -9` of Snakemake as the next cell job starts",
         "the server is stopped; the starting cell job starts no server for an owner that is gone",
-        "measures the remaining cells",
+        "`snakemake --unlock`, then measures the remaining cells",
     ),
     "server-fails-to-start": Fault(
         "vLLM exits during start-up (an unknown flag)",
