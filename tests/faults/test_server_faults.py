@@ -145,7 +145,7 @@ def test_engine_hang_mid_cell(workdir, matrix):
                      r"stopped, not reused", log), log[-3000:]  # fmt: skip
     assert seconds < 300  # not request_timeout_s (600 s here; 1800 s in config.yaml)
     ended_cleanly(workdir, proc)
-    matrix.record("engine-hang", seconds, "to the end of the run")
+    matrix.record("engine-hang", seconds, "to the end of the run; `stall_floor_s` 2 s")
     rerun_completes(workdir)
 
 
@@ -171,7 +171,7 @@ def test_engine_hang_between_cells_is_not_reused(workdir, matrix):
     assert measured_on["session"] != hung["session"]
     assert half_written(workdir) == []
     assert wait_no_survivors(workdir, 45) == []  # the SIGSTOPped engine included
-    matrix.record("hang-between-cells", float(match[1]), "the liveness check")
+    matrix.record("hang-between-cells", float(match[1]), f"the liveness check; limit {match[2]} s")
 
 
 def test_supervisor_killed_takes_the_server_with_it(workdir, matrix):
@@ -285,7 +285,7 @@ def test_keep_going_past_a_broken_server_and_a_too_long_cell(workdir, matrix):
     assert half_written(workdir) == []
     assert wait_no_survivors(workdir, 30) == []
     matrix.record("server-fails-to-start", seconds, "vLLM's own exit")
-    matrix.record("context-over-server-limit", log_seconds(too_long_log, " ERROR "), "from the job's first log line")
+    matrix.record("context-over-server-limit", log_seconds(too_long_log, " ERROR "), "in the cell job's log; no request")
     # The next run with the broken configuration fixed and the context shortened completes the grid.
     raw["configurations"]["broken"]["args"] = []
     raw["workloads"]["decode"]["contexts"] = [256]
