@@ -285,7 +285,8 @@ def test_keep_going_past_a_broken_server_and_a_too_long_cell(workdir, matrix):
     assert half_written(workdir) == []
     assert wait_no_survivors(workdir, 30) == []
     matrix.record("server-fails-to-start", seconds, "vLLM's own exit")
-    matrix.record("context-over-server-limit", log_seconds(too_long_log, " ERROR "), "in the cell job's log; no request")
+    refused_s = log_seconds(too_long_log, " ERROR ")
+    matrix.record("context-over-server-limit", refused_s, "in the cell job's log; no request")
     # The next run with the broken configuration fixed and the context shortened completes the grid.
     raw["configurations"]["broken"]["args"] = []
     raw["workloads"]["decode"]["contexts"] = [256]
