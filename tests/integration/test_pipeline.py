@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
 
 def tiny_grid(demo_raw):  # type: ignore[no-untyped-def]
     raw = dict(demo_raw)
+    # Two of the demo's three configurations: a server start costs about a minute here, and the
+    # third (both together) is served by the shared vLLM server of tests/integration/conftest.py.
+    raw["configurations"] = {name: demo_raw["configurations"][name] for name in ("prefix_cache", "ngram")}
     raw["workloads"] = {
         "decode": {"contexts": [256], "concurrency": [1, 2], "output_tokens": 32, "requests_per_session": 2},
         "single_turn": {"contexts": [512], "concurrency": [2], "suffix_tokens": 32, "output_tokens": 8},

@@ -11,7 +11,7 @@ from servegrid import verdict
 from servegrid.config import Experiment
 
 SEED = yaml.safe_load((REPO / "tests" / "data" / "seed-findings.yaml").read_text())
-ROLES = {"prefix_cache": "caching", "mtp": "speculative"}
+ORDER = ["prefix_cache", "mtp"]  # config.yaml's order
 
 
 def group(mode: str, context: int, concurrency: int, winner: str, factor: float, kv_limited: bool = False) -> dict:
@@ -63,15 +63,15 @@ def rules(seed_raw) -> verdict.VerdictRules:
 
 
 def test_the_seed_figures_reproduce_the_seed_verdict(rules):
-    classes = verdict.classify(seed_comparisons(), rules, ROLES).set_index("class_id")
+    classes = verdict.classify(seed_comparisons(), rules).set_index("class_id")
     # "Single session, long generations, cold prompts: MTP (1.3-2.2x decode)"
     decode = classes.loc["decode"]
-    assert decode["outcome"] == "win" and decode["winner"] == "mtp" and decode["winner_role"] == "speculative"
+    assert decode["outcome"] == "win" and decode["winner"] == "mtp"
     assert decode["factor_min"] == pytest.approx(1.28) and decode["factor_max"] == pytest.approx(94.9 / 49.9)
     assert decode["range_style"] == "range"
     # "Multi-turn, concurrent sessions, growing context: prefix caching (up to 17x TTFT)"
     multi = classes.loc["multi_turn"]
-    assert multi["outcome"] == "win" and multi["winner"] == "prefix_cache" and multi["winner_role"] == "caching"
+    assert multi["outcome"] == "win" and multi["winner"] == "prefix_cache"
     assert multi["factor_max"] == pytest.approx(16.8) and multi["range_style"] == "up_to"
     # "64K+ context with 16+ concurrent sessions: none - KV limit"
     kv = classes.loc["kv_limit"]
@@ -85,27 +85,33 @@ def test_the_seed_figures_reproduce_the_seed_verdict(rules):
 
 
 def test_the_seed_figures_give_their_crossovers(rules):
-    cross = verdict.crossovers(seed_comparisons(), ROLES, rules).set_index("mode")
-    assert not cross.loc["decode", "found"]  # MTP wins decode at every concurrency
-    assert (cross.loc["single_turn", "context"], cross.loc["single_turn", "concurrency"]) == (4096, 32)
-    assert cross.loc["multi_turn", "found"]
+    cross = verdict.crossovers(seed_comparisons(), ORDER, rules).set_index("mode")
+    # MTP leads decode at every concurrency: no crossover.
+    assert cross.loc["decode", "leader"] == "mtp" and not cross.loc["decode", "found"]
+    # Single-turn: MTP leads at 4K × 1 (0.85 vs 1.02 s); prefix caching takes over at 4K × 32.
+    single = cross.loc["single_turn"]
+    assert (single["leader"], single["other"], single["found"]) == ("mtp", "prefix_cache", True)
+    assert (single["context"], single["concurrency"]) == (4096, 32) and single["factor"] == pytest.approx(2.6, 0.01)
+    # Multi-turn: prefix caching leads wherever a group is decisive (the 64K × 16 corner is KV-limited).
+    multi = cross.loc["multi_turn"]
+    assert (multi["leader"], multi["found"], multi["decisive_groups"], multi["groups"]) == ("prefix_cache", False, 2, 3)
 
 
 def test_near_ties_and_ci_ties_name_no_winner(rules):
     table = pd.DataFrame([group("decode", 512, 1, "mtp", 1.02), {**group("decode", 512, 2, "mtp", 1.5), "tie": True}])
-    row = verdict.classify(table, rules, ROLES).set_index("class_id").loc["decode"]
+    row = verdict.classify(table, rules).set_index("class_id").loc["decode"]
     assert row["outcome"] == "tie" and pd.isna(row["winner"]) and row["n_groups"] == 2
 
 
 def test_rules_are_data(seed_raw):
     raw = with_changes(seed_raw, **{"verdict.classes": [{"id": "low", "max_concurrency": 8}, {"id": "high"}]})
     rules = Experiment(raw).verdict
-    classes = verdict.classify(seed_comparisons(), rules, ROLES).set_index("class_id")
+    classes = verdict.classify(seed_comparisons(), rules).set_index("class_id")
     assert classes.loc["low", "n_groups"] + classes.loc["high", "n_groups"] == len(seed_comparisons())
     assert classes.loc["high", "min_concurrency"] == 16
 
 
 def test_empty_classes_report_no_data(rules):
-    classes = verdict.classify(pd.DataFrame(), rules, ROLES)
+    classes = verdict.classify(pd.DataFrame(), rules)
     assert set(classes["outcome"]) == {"no_data"}
-    assert verdict.crossovers(pd.DataFrame(), ROLES, rules).empty
+    assert verdict.crossovers(pd.DataFrame(), ORDER, rules).empty

@@ -314,8 +314,7 @@ def aggregate(
     derived = derive(df) if len(df) else df
     summary = summarize(derived, metas, experiment)
     comparisons = verdict.compare(summary, derived)
-    rules = experiment.verdict
-    roles = experiment.roles()
+    rules, order = experiment.verdict, list(experiment.configurations)
     outputs = [
         (derived, requests_out),
         (summary, summary_out),
@@ -323,9 +322,9 @@ def aggregate(
         (comparisons, comparisons_out),
     ]
     if verdict_out:
-        outputs.append((verdict.classify(comparisons, rules, roles), verdict_out))
+        outputs.append((verdict.classify(comparisons, rules), verdict_out))
     if crossovers_out:
-        outputs.append((verdict.crossovers(comparisons, roles, rules), crossovers_out))
+        outputs.append((verdict.crossovers(verdict.duels(summary, derived, order), order, rules), crossovers_out))
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
             frame.to_parquet(tmp, index=False)

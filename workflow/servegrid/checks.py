@@ -39,6 +39,12 @@ def check(experiment: Experiment) -> None:
                 f"report.languages: no catalogue for {', '.join(missing)} "
                 "(add report/locales/<language>/LC_MESSAGES/messages.po)"
             )
+        _languages_covered(experiment)
+        baseline = experiment.report_baseline
+        if baseline is not None and baseline not in experiment.configurations:
+            raise ConfigError(
+                f"report.baseline: '{baseline}' is not a configuration (known: {', '.join(experiment.configurations)})"
+            )
         low, high = experiment.operations.port_range
         if low > high:
             raise ConfigError(f"operations.port_range: {low} > {high}")
@@ -63,3 +69,17 @@ def _context_limits(experiment: Experiment) -> None:
                         f"more than the {limit} that configuration '{name}' allows "
                         f"(its context limit in engine.args or configurations.{name}.args)"
                     )
+
+
+def _languages_covered(experiment: Experiment) -> None:
+    """A text given per language must be given in every report language."""
+    texts = {"experiment.title": experiment.info.title}
+    texts |= {f"configurations.{n}.label": c.label for n, c in experiment.configurations.items()}
+    for key, text in texts.items():
+        if isinstance(text, str):
+            continue
+        missing = [lang for lang in experiment.languages if lang not in text]
+        if missing:
+            raise ConfigError(
+                f"{key}: no text for {', '.join(missing)} (report.languages); give one per language or one string"
+            )

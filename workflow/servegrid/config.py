@@ -35,6 +35,7 @@ from servegrid.sections import (
     Validity,
     VerdictRules,
     Workload,
+    localized,
     section,
 )
 
@@ -95,6 +96,7 @@ class Experiment:
         self.validity: Validity = section(Validity, r["validity"])
         self.verdict = VerdictRules.from_config(r["verdict"])
         self.languages: list[str] = list(r["report"]["languages"])
+        self.report_baseline: str | None = r["report"]["baseline"]
         checks.check(self)
 
     @classmethod
@@ -188,13 +190,24 @@ class Experiment:
             "sampling": {"temperature": self.temperature},
         }
 
+    def label(self, name: str, lang: str) -> str:
+        """A configuration's label in ``lang``."""
+        return localized(self.configuration(name).label, lang)
+
+    def title(self, lang: str) -> str:
+        return localized(self.info.title, lang)
+
+    def baseline(self) -> str:
+        """The configuration the others are compared with in the ratio figure: report.baseline, else the first."""
+        return self.report_baseline or next(iter(self.configurations))
+
     def figure_presentation(self) -> dict[str, Any]:
-        """What the figures show of the configuration besides the measured data (labels, colours by
-        configuration order, roles): a declared input (params) of the figure rule."""
+        """What the figures show of the configuration besides the measured data (labels, colours and
+        markers by configuration order, the baseline): a declared input (params) of the figure rule."""
         return {
-            "configurations": {
-                name: {"label": c.label, "role": self.role(name)} for name, c in self.configurations.items()
-            },
+            "configurations": {name: {"label": c.label} for name, c in self.configurations.items()},
+            "configuration_order": list(self.configurations),
+            "baseline": self.baseline(),
             "modes": self.modes(),
         }
 
@@ -209,16 +222,12 @@ class Experiment:
             "engine": self.engine.kind,
             "engine_args": redact.argv(self.engine.args),
             "configurations": {
-                name: {
-                    "label": c.label,
-                    "flags": redact.argv(self.configuration_flags(name)),
-                    "role": self.role(name),
-                    "gpus": list(c.gpus),
-                }
+                name: {"label": c.label, "flags": redact.argv(self.configuration_flags(name)), "gpus": list(c.gpus)}
                 for name, c in self.configurations.items()
             },
             # The report lists configurations in the config's order; the mapping above may be stored sorted.
             "configuration_order": list(self.configurations),
+            "baseline": self.baseline(),
             "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
             "min_factor": self.verdict.min_factor,
             "client_cpus": list(self.operations.client_cpus),
@@ -227,17 +236,6 @@ class Experiment:
     def workload_view(self, mode: str) -> dict[str, Any]:
         w = self.workload(mode)
         return {**w.settings, "contexts": list(w.contexts), "concurrency": list(w.concurrency)}
-
-    def role(self, name: str) -> str:
-        """caching (prefix caching, no speculation), speculative (the reverse), both, or baseline."""
-        conf = self.configuration(name)
-        speculates = conf.speculative is not None
-        if conf.prefix_caching:
-            return "both" if speculates else "caching"
-        return "speculative" if speculates else "baseline"
-
-    def roles(self) -> dict[str, str]:
-        return {name: self.role(name) for name in self.configurations}
 
     def longest_request(self, mode: str, context: int) -> int:
         """Prompt + output tokens of the longest request of a cell of ``mode`` at ``context``."""

@@ -22,10 +22,10 @@ RUN_FIGURES = (
     FigureSpec(
         "ratio_heatmap",
         "ratio_heatmap",
-        N_("Who wins where"),
+        N_("Each configuration against the baseline"),
         N_(
-            "How many times the winner beat the runner-up in each cell group, per mode; red where the caching "
-            "configuration wins, blue where the other one does."
+            "How many times better (blue) or worse (red) each configuration's p50 is than the baseline's "
+            "(report.baseline, named below the figure), per mode, context and concurrency; valid cells only."
         ),
     ),
 )

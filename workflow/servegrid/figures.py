@@ -1,11 +1,12 @@
 """The report's figures (seaborn/matplotlib), drawn once per language.
 
-One colour per configuration throughout (seaborn's colour-blind palette, in
-config order); medians with their 95% bootstrap intervals as bands; numbers on
-the axes in the language's own format. Each figure is written as PNG (for the
-HTML report) and SVG (vector, for the PDF). Which figures exist is decided in
-:mod:`servegrid.figure_list` (each mode declares its own); a figure's ``kind``
-names the :class:`Painter` method that draws it.
+One colour and one marker per configuration throughout (seaborn's colour-blind
+palette, in config order), so that lines stay apart in grey print; medians with
+their 95% bootstrap intervals as bands; numbers on the axes in the language's
+own format. Each figure is written as PNG (for the HTML report) and SVG
+(vector, for the PDF). Which figures exist is decided in
+:mod:`servegrid.figure_list` (each mode declares its own); a figure's
+``kind`` names the :class:`Painter` method that draws it.
 """
 
 from __future__ import annotations
@@ -34,24 +35,32 @@ Gettext = Callable[[str], str]
 
 # The kinds of figure a mode may declare (FigureSpec.kind): Painter methods taking (mode, **options);
 # and those of the whole run (servegrid.figure_list.RUN_FIGURES), taking nothing.
-MODE_KINDS = ("primary_by_concurrency", "probe_bars", "one_configuration_by_context")
+MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context")
 RUN_KINDS = ("ratio_heatmap",)
+# One marker per configuration besides its colour, in config order: lines stay apart in grey print.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
 class Painter:
     """Draws the figures of one language."""
 
     def __init__(
-        self, experiment: Experiment, summary: pd.DataFrame, comparisons: pd.DataFrame, gettext: Gettext, locale: str
+        self,
+        experiment: Experiment,
+        summary: pd.DataFrame,
+        comparisons: pd.DataFrame,
+        gettext: Gettext,
+        locale: str,
+        lang: str,
     ) -> None:
         self.experiment = experiment
         self.summary = summary
         self.comparisons = comparisons
         self._ = gettext
         self.locale = locale
-        self.labels = {name: c.label for name, c in experiment.configurations.items()}
+        self.labels = {name: experiment.label(name, lang) for name in experiment.configurations}
         self.colours = dict(zip(self.labels, sns.color_palette("colorblind", len(self.labels)), strict=True))
-        self.roles = experiment.roles()
+        self.markers = dict(zip(self.labels, MARKERS, strict=False))
 
     def draw(self, mode: str | None, spec: FigureSpec) -> plt.Figure:
         """The figure ``spec`` of ``mode`` (None: a figure of the whole run)."""
@@ -116,7 +125,7 @@ class Painter:
             for name, label in self.labels.items():
                 rows = panel[panel["configuration"] == name]
                 if len(rows):
-                    self._line(ax, rows, label, self.colours[name])
+                    self._line(ax, rows, label, self.colours[name], self.markers[name])
             self._concurrency_axis(ax, sorted(int(c) for c in panel["concurrency"].unique()))
             ax.set_ylabel(ylabel)
             ax.set_ylim(bottom=0)
@@ -152,75 +161,105 @@ class Painter:
         fig.tight_layout(rect=(0, 0.1, 1, 1))
         return fig
 
-    def one_configuration_by_context(self, mode: str, role: str, zoom: bool) -> plt.Figure:
-        """The first configuration of ``role`` alone, one line per context; ``zoom`` to the non-KV-limited
-        points, so that a flat curve shows as flat; KV-limited points circled."""
+    def each_configuration_by_context(self, mode: str) -> plt.Figure:
+        """One panel per configuration, one line per context, each panel on its own scale (so that a flat
+        curve shows as flat); KV-limited points circled."""
         data = self.summary[self.summary["mode"] == mode]
-        names = [n for n, r in self.roles.items() if r == role] or list(self.experiment.configurations)[:1]
-        rows_all = data[data["configuration"].isin(names)]
-        contexts = sorted(rows_all["context"].unique())
-        shades = sns.color_palette("mako_r" if role == "speculative" else "crest", max(1, len(contexts)))
-        fig, (ax,) = self._panels(1, height=3.9)
-        for shade, context in zip(shades, contexts, strict=True):
-            rows = rows_all[rows_all["context"] == context]
-            self._line(ax, rows, self._context_title(mode, int(context)), shade)
-            limited = rows[rows["kv_limited"].astype(bool)]
-            for _, point in limited.iterrows():
+        names = [n for n in self.labels if (data["configuration"] == n).any()] or list(self.labels)[:1]
+        contexts = sorted(data["context"].unique())
+        shades = sns.color_palette("crest", max(1, len(contexts)))
+        columns = min(3, len(names))
+        rows_n = -(-len(names) // columns)
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
+        fig, grid = plt.subplots(rows_n, columns, figsize=(3.9 * columns + 1.2, 3.4 * rows_n + 0.6), squeeze=False)
+        axes = list(grid.flat)
+        for ax, name in zip(axes, names, strict=False):
+            rows_all = data[data["configuration"] == name]
+            for shade, context in zip(shades, contexts, strict=True):
+                rows = rows_all[rows_all["context"] == context]
+                if len(rows):
+                    self._line(ax, rows, self._context_title(mode, int(context)), shade, self.markers[name])
+            for _, point in rows_all[rows_all["kv_limited"].astype(bool)].iterrows():
                 where = (point["concurrency"], point["primary_p50"])
                 ax.scatter(*where, s=160, facecolors="none", edgecolors="#b3261e", linewidths=2, zorder=6)
                 ax.annotate(
                     self._("KV limit"), where, textcoords="offset points", xytext=(6, 6), color="#b3261e", fontsize=9
                 )
-        ax.set_title(self.labels[names[0]] if names else "")
-        self._concurrency_axis(ax, sorted(int(c) for c in rows_all["concurrency"].unique()))
-        ax.set_ylabel(self._(modes.get(mode).primary.axis_label))
-        ax.set_ylim(bottom=0)
-        if zoom and len(rows_all):
-            unlimited = rows_all[~rows_all["kv_limited"].astype(bool)]["primary_ci_high"].fillna(
-                rows_all["primary_p50"]
-            )
-            if len(unlimited) and unlimited.max() > 0:
-                ax.set_ylim(0, float(unlimited.max()) * 1.25)
-        self._axes_numbers(ax)
-        ax.legend(frameon=False, fontsize=8, loc="upper left")
-        fig.tight_layout()
+            ax.set_title(self.labels[name], fontsize=10)
+            self._concurrency_axis(ax, sorted(int(c) for c in data["concurrency"].unique()))
+            ax.set_ylabel(self._(modes.get(mode).primary.axis_label))
+            ax.set_ylim(bottom=0)
+            self._axes_numbers(ax)
+        for ax in axes[len(names) :]:
+            ax.axis("off")
+        self._legend(fig, axes[0])
+        fig.tight_layout(rect=(0, 0.1 / rows_n, 1, 1))
         return fig
 
     # ---- figures of the whole run ------------------------------------------------------------
     def ratio_heatmap(self) -> plt.Figure:
-        """Per mode: how many times the winner beat the runner-up, over context × concurrency."""
-        comparisons = self.comparisons
-        compared = [m for m in self.experiment.modes() if len(comparisons) and (comparisons["mode"] == m).any()]
-        fig, axes = self._panels(max(1, len(compared)), height=3.4)
-        caching = {n for n, r in self.roles.items() if r == "caching"}
-        for ax, mode in zip(axes, compared or [None], strict=False):
-            if mode is None:
-                ax.axis("off")
-                continue
-            rows = comparisons[comparisons["mode"] == mode]
-            sign = [1 if winner in caching else -1 for winner in rows["winner"]]
-            signed = rows.assign(value=np.log2(rows["factor"].to_numpy(dtype=float)) * np.array(sign))
-            grid = signed.pivot(index="context", columns="concurrency", values="value").sort_index(ascending=False)
-            factors = rows.pivot(index="context", columns="concurrency", values="factor").reindex_like(grid)
-            annotations = factors.map(lambda f: "" if f != f else self.number(f, 1) + "×")
-            limit = max(1.0, float(np.nanmax(np.abs(grid.to_numpy()))) if grid.size else 1.0)
-            sns.heatmap(grid, ax=ax, cmap="RdBu_r", center=0, vmin=-limit, vmax=limit, annot=annotations, fmt="",
-                        cbar=False, linewidths=0.5, linecolor="white")  # fmt: skip
-            ax.set_title(self._(modes.get(mode).title))
-            ax.set_xlabel(self._("concurrent sessions"))
-            ax.set_ylabel(self._("context (tokens)"))
-            ax.set_yticklabels([self.number(int(c), 0) for c in grid.index], rotation=0)
-        fig.text(0.5, 0.01, self._("red: the caching configuration wins; blue: the other one wins"), ha="center",
-                 fontsize=9)  # fmt: skip
-        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        """Each configuration against the baseline: how many times better (or worse) its primary p50 is,
+        one row of panels per configuration, one panel per mode, context × concurrency in each."""
+        baseline = self.experiment.baseline()
+        others = [n for n in self.labels if n != baseline]
+        compared = list(self.experiment.modes())
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
+        if not others:
+            fig, (ax,) = self._panels(1, height=1.6)
+            ax.axis("off")
+            ax.text(0.5, 0.5, self._("One configuration: nothing to compare."), ha="center", va="center")
+            return fig
+        fig, grid = plt.subplots(len(others), len(compared), figsize=(3.9 * len(compared) + 1.2,
+                                 3.0 * len(others) + 0.8), squeeze=False)  # fmt: skip
+        valid = self.summary[self.summary["valid"].astype(bool)] if len(self.summary) else self.summary
+        for row, name in enumerate(others):
+            for column, mode in enumerate(compared):
+                ax = grid[row][column]
+                ratios = self._ratios(valid, mode, name, baseline)
+                if ratios.empty:
+                    ax.axis("off")
+                    continue
+                grid_values = np.log2(ratios)
+                limit = max(1.0, float(np.nanmax(np.abs(grid_values.to_numpy()))))
+                annotations = ratios.map(lambda f: "" if f != f else self.number(f, 1) + "×")
+                sns.heatmap(grid_values, ax=ax, cmap="RdBu", center=0, vmin=-limit, vmax=limit, annot=annotations,
+                            fmt="", cbar=False, linewidths=0.5, linecolor="white")  # fmt: skip
+                ax.set_title(f"{self.labels[name]} · {self._(modes.get(mode).short_title)}", fontsize=9)
+                ax.set_xlabel(self._("concurrent sessions"))
+                ax.set_ylabel(self._("context (tokens)"))
+                ax.set_yticklabels([self.number(int(c), 0) for c in ratios.index], rotation=0)
+        legend = self._("against %(baseline)s: blue better, red worse") % {"baseline": self.labels[baseline]}
+        fig.text(0.5, 0.01, legend, ha="center", fontsize=9)
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
         return fig
+
+    @staticmethod
+    def _ratios(valid: pd.DataFrame, mode: str, name: str, baseline: str) -> pd.DataFrame:
+        """context × concurrency: how many times better ``name``'s primary p50 is than ``baseline``'s."""
+        cells = valid[valid["mode"] == mode] if len(valid) else valid
+        if cells.empty:
+            return pd.DataFrame()
+        pivot = cells.pivot_table(index="context", columns="concurrency", values="primary_p50", aggfunc="first")
+        by_conf = {
+            n: cells[cells["configuration"] == n].pivot(index="context", columns="concurrency", values="primary_p50")
+            for n in (name, baseline)
+        }
+        mine, theirs = (by_conf[n].reindex_like(pivot) for n in (name, baseline))
+        ratio = mine / theirs if modes.get(mode).primary.higher_is_better else theirs / mine
+        ratio = ratio.dropna(how="all").dropna(axis=1, how="all")
+        return ratio.sort_index(ascending=False)
 
 
 def draw_all(experiment: Experiment, summary_path: str, comparisons_path: str, out_dir: Path, lang: str) -> list[Path]:
     # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
     painter = Painter(
-        experiment, pd.read_parquet(summary_path), pd.read_parquet(comparisons_path), translations.gettext, str(locale)
+        experiment,
+        pd.read_parquet(summary_path),
+        pd.read_parquet(comparisons_path),
+        translations.gettext,
+        str(locale),
+        lang,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -96,7 +96,7 @@ def render_html(
     experiment: Experiment, lang: str, data: ReportData, figures_dir: Path, medium: str, prov: dict[str, Any]
 ) -> str:
     env, fmt, translations = environment(lang)
-    data.formatter, data.gettext = fmt, translations.gettext
+    data.formatter, data.gettext, data.lang = fmt, translations.gettext, lang
     ext = "png" if medium == "screen" else "svg"
     assert ext in FORMATS
     figures = {

@@ -36,6 +36,7 @@ class ReportData:
         gettext: Any = None,
     ) -> None:
         self.experiment = experiment
+        self.lang = experiment.languages[0]  # which language's labels: set per rendering (report.render_html)
         self.formatter = formatter or Formatter(Locale.parse("en"))
         self.gettext = gettext or (lambda message: message)
         self.summary = summary
@@ -62,13 +63,25 @@ class ReportData:
         ]
 
     def crossover_rows(self) -> list[dict[str, Any]]:
-        return self.records(self.crossovers)
+        """Per mode and pair: where the lead changes, with both labels."""
+        return [
+            row | {"leader_label": self.label(row["leader"]), "other_label": self.label(row["other"])}
+            for row in self.records(self.crossovers)
+        ]
 
     def label(self, configuration: str | None) -> str:
-        """A configuration's label from the config (a declared input of the report rule), not from the tables."""
+        """A configuration's label in the report's language, from the config (a declared input of the
+        report rule), not from the tables."""
         if configuration is None or configuration not in self.experiment.configurations:
             return configuration or ""
-        return self.experiment.configurations[configuration].label
+        return self.experiment.label(configuration, self.lang)
+
+    def title(self) -> str:
+        return self.experiment.title(self.lang)
+
+    def ranking(self, names: str | None) -> str:
+        """A comma-joined ranking of configurations as labels, best first."""
+        return " › ".join(self.label(n) for n in (names or "").split(",") if n)
 
     # ---- modes --------------------------------------------------------------------------------
     @staticmethod
@@ -118,10 +131,6 @@ class ReportData:
     def engine_name(self) -> str:
         return engines.get(self.experiment.engine.kind).display_name
 
-    def role_label(self, role: str) -> str:
-        names = [n for n, r in self.experiment.roles().items() if r == role]
-        return self.label(names[0]) if names else ""
-
     def cells(self) -> list[dict[str, Any]]:
         return self.records(self.summary)
 
@@ -139,7 +148,7 @@ class ReportData:
             out.append(
                 {
                     "name": name,
-                    "label": conf.label,
+                    "label": self.label(name),
                     "prefix_caching": conf.prefix_caching,
                     "speculative": canonical_json(conf.speculative) if conf.speculative else None,
                     "flags": " ".join(redact.argv(self.experiment.configuration_flags(name))),

@@ -18,9 +18,17 @@ def section(cls: type, data: Mapping[str, Any], **extra: Any) -> Any:
     return cls(**values, **extra)
 
 
+Localized = str | Mapping[str, str]  # one text for every language, or one per language code
+
+
+def localized(text: Localized, lang: str) -> str:
+    """``text`` in ``lang``: a plain string is every language's (checks.py makes sure a mapping has each)."""
+    return text if isinstance(text, str) else text[lang]
+
+
 @dataclass(frozen=True)
 class ExperimentInfo:
-    title: str
+    title: Localized
     hardware: str = ""
     notes: str = ""
 
@@ -46,7 +54,7 @@ class Configuration:
     """One server configuration to compare."""
 
     name: str
-    label: str
+    label: Localized
     prefix_caching: bool
     speculative: Mapping[str, Any] | None = None
     args: tuple[str, ...] = ()

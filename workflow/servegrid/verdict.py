@@ -1,12 +1,13 @@
 """Who wins each cell group, and by how much, computed from the data.
 
-A cell group is one mode × context × concurrency measured on several
-configurations. The winner is the configuration with the best primary figure
-(p50); the factor is how many times better it is than the runner-up (always
-≥ 1). The 95% interval of that factor comes from bootstrapping both
-configurations' requests; when it includes 1 the group is a tie. When either
-cell ran into the KV-cache capacity the group is "neither — KV limit": the
-figure then measures the pool, not the configuration.
+A cell group is one mode × context × concurrency measured on any number of
+configurations. They are ranked on the primary figure (p50); the winner is the
+first, the factor how many times better it is than the runner-up (always ≥ 1).
+The 95% interval of that factor comes from bootstrapping both configurations'
+requests; when it includes 1 the group is a tie. When either cell ran into the
+KV-cache capacity the group is "neither — KV limit": the figure then measures
+the pool, not the configuration. For every pair of configurations, the
+crossover is where the lead between them changes as the load grows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pandas as pd
 from servegrid import modes, stats
 from servegrid.config import ClassRule, VerdictRules
 
-__all__ = ["ClassRule", "VerdictRules", "classify", "compare", "crossovers", "decisive", "primary_values"]
+__all__ = ["ClassRule", "VerdictRules", "classify", "compare", "crossovers", "decisive", "duels", "primary_values"]
 
 GROUP_KEYS = ["mode", "context", "concurrency"]
 
@@ -39,8 +40,38 @@ def primary_values(requests: pd.DataFrame, configuration: str, mode: str, contex
     return rows[primary.column].to_numpy(dtype=float)
 
 
+def _duel(
+    requests: pd.DataFrame, mode: str, context: int, concurrency: int, a: pd.Series, b: pd.Series
+) -> dict[str, Any]:
+    """Two configurations' cells of one group: which is better on the primary p50, by how many times
+    (always ≥ 1), the 95% interval of that factor, and whether either ran into the KV capacity."""
+    higher = bool(modes.get(mode).primary.higher_is_better)
+    a_first = a["primary_p50"] >= b["primary_p50"] if higher else a["primary_p50"] <= b["primary_p50"]
+    best, other = (a, b) if a_first else (b, a)
+    best_values = primary_values(requests, best["configuration"], mode, context, concurrency)
+    other_values = primary_values(requests, other["configuration"], mode, context, concurrency)
+    if higher:
+        factor = best["primary_p50"] / other["primary_p50"]
+        low, high = stats.ratio_of_medians_ci(best_values, other_values)
+    else:
+        factor = other["primary_p50"] / best["primary_p50"]
+        low, high = stats.ratio_of_medians_ci(other_values, best_values)
+    return {
+        "winner": best["configuration"],
+        "winner_p50": float(best["primary_p50"]),
+        "runner_up": other["configuration"],
+        "runner_up_p50": float(other["primary_p50"]),
+        "factor": float(factor),
+        "factor_ci_low": low,
+        "factor_ci_high": high,
+        "tie": bool(low is not None and low <= 1.0),
+        "kv_limited": bool(best["kv_limited"] or other["kv_limited"]),
+    }
+
+
 def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per cell group with at least two valid configurations."""
+    """One row per cell group with at least two valid configurations: all of them ranked on the primary
+    p50, the winner, and its factor over the runner-up with that factor's 95% interval."""
     rows = []
     if summary.empty:
         return pd.DataFrame()
@@ -49,31 +80,18 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
         if len(candidates) < 2:
             continue
         higher = bool(modes.get(mode).primary.higher_is_better)
-        ranked = candidates.sort_values("primary_p50", ascending=not higher)
-        best, runner_up = ranked.iloc[0], ranked.iloc[1]
-        best_values = primary_values(requests, best["configuration"], mode, context, concurrency)
-        other_values = primary_values(requests, runner_up["configuration"], mode, context, concurrency)
-        if higher:
-            factor = best["primary_p50"] / runner_up["primary_p50"]
-            low, high = stats.ratio_of_medians_ci(best_values, other_values)
-        else:
-            factor = runner_up["primary_p50"] / best["primary_p50"]
-            low, high = stats.ratio_of_medians_ci(other_values, best_values)
+        # A stable sort: equal p50s keep the config's order.
+        ranked = candidates.sort_values("primary_p50", ascending=not higher, kind="stable")
+        duel = _duel(requests, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[1])
         rows.append(
             {
                 "mode": mode,
                 "context": int(context),
                 "concurrency": int(concurrency),
-                "metric": best["primary_metric"],
-                "winner": best["configuration"],
-                "winner_p50": float(best["primary_p50"]),
-                "runner_up": runner_up["configuration"],
-                "runner_up_p50": float(runner_up["primary_p50"]),
-                "factor": float(factor),
-                "factor_ci_low": low,
-                "factor_ci_high": high,
-                "tie": bool(low is not None and low <= 1.0),
-                "kv_limited": bool(best["kv_limited"] or runner_up["kv_limited"]),
+                "metric": ranked.iloc[0]["primary_metric"],
+                **duel,
+                "ranking": ",".join(ranked["configuration"]),
+                "n_configurations": len(ranked),
             }
         )
     return pd.DataFrame(rows)
@@ -87,7 +105,7 @@ def decisive(group: dict[str, Any], rules: VerdictRules) -> bool:
     return not group["kv_limited"] and not group["tie"] and group["factor"] >= rules.min_factor
 
 
-def classify(comparisons: pd.DataFrame, rules: VerdictRules, roles: dict[str, str]) -> pd.DataFrame:
+def classify(comparisons: pd.DataFrame, rules: VerdictRules) -> pd.DataFrame:
     """One row per workload class: its outcome, winner and the range of factors it won by.
 
     Each group goes to the first class whose rule matches it. Outcomes:
@@ -112,7 +130,6 @@ def classify(comparisons: pd.DataFrame, rules: VerdictRules, roles: dict[str, st
             "n_decisive": 0,
             "outcome": "no_data",
             "winner": None,
-            "winner_role": None,
             "wins": 0,
             "factor_min": None,
             "factor_max": None,
@@ -139,7 +156,6 @@ def classify(comparisons: pd.DataFrame, rules: VerdictRules, roles: dict[str, st
             row.update(
                 outcome="win" if counts[winner] == len(wins) else "mixed",
                 winner=winner,
-                winner_role=roles.get(winner, "other"),
                 wins=counts[winner],
                 factor_min=float(lowest["factor"]),
                 factor_max=float(highest["factor"]),
@@ -151,33 +167,69 @@ def classify(comparisons: pd.DataFrame, rules: VerdictRules, roles: dict[str, st
     return pd.DataFrame(rows)
 
 
-def crossovers(comparisons: pd.DataFrame, roles: dict[str, str], rules: VerdictRules) -> pd.DataFrame:
-    """Per mode: the smallest context × concurrency at which the caching configuration beats
-    the speculative one (by work asked for: context × concurrency), or none in this grid."""
-    caching = [name for name, role in roles.items() if role == "caching"]
-    speculative = [name for name, role in roles.items() if role == "speculative"]
+def duels(summary: pd.DataFrame, requests: pd.DataFrame, order: list[str]) -> pd.DataFrame:
+    """Every pair of valid configurations (in ``order``) in every cell group: who is better, by how
+    many times, with its 95% interval. With two configurations this is :func:`compare`'s table."""
     rows = []
-    if not caching or not speculative or comparisons.empty:
-        return pd.DataFrame(rows, columns=["mode", "found", "context", "concurrency", "factor", "groups"])
-    for mode, groups in comparisons.groupby("mode", sort=False):
-        pairs = groups[groups["winner"].isin(caching + speculative) & groups["runner_up"].isin(caching + speculative)]
-        overtaken = [
-            g
-            for g in pairs.to_dict("records")
-            if g["winner"] in caching and g["runner_up"] in speculative and decisive(g, rules)
-        ]
-        first = min(overtaken, key=lambda g: (g["context"] * g["concurrency"], g["context"]), default=None)
-        rows.append(
-            {
-                "mode": mode,
-                "found": first is not None,
-                "context": first["context"] if first else None,
-                "concurrency": first["concurrency"] if first else None,
-                "factor": first["factor"] if first else None,
-                "groups": len(pairs),
-            }
-        )
+    if summary.empty:
+        return pd.DataFrame()
+    rank = {name: i for i, name in enumerate(order)}
+    for (mode, context, concurrency), group in summary.groupby(GROUP_KEYS, sort=False):
+        candidates = group[group["valid"] & group["primary_p50"].notna()]
+        candidates = candidates.sort_values("configuration", key=lambda names: names.map(rank))
+        for i in range(len(candidates)):
+            for j in range(i + 1, len(candidates)):
+                duel = _duel(requests, mode, int(context), int(concurrency), candidates.iloc[i], candidates.iloc[j])
+                rows.append({"mode": mode, "context": int(context), "concurrency": int(concurrency), **duel})
     return pd.DataFrame(rows)
+
+
+CROSSOVER_COLUMNS = ["mode", "leader", "other", "found", "context", "concurrency", "factor", "factor_ci_low",
+                     "factor_ci_high", "groups", "decisive_groups"]  # fmt: skip
+
+
+def crossovers(pairs: pd.DataFrame, order: list[str], rules: VerdictRules) -> pd.DataFrame:
+    """Per mode and pair of configurations (in ``order``), from :func:`duels`: the *leader*, the better
+    one in the decisive cell group with the least work asked for (context × concurrency), and the
+    lightest decisive group in which the *other* one is better instead: where the lead changes, if it
+    does in this grid."""
+    rows = []
+    if pairs.empty:
+        return pd.DataFrame(rows, columns=CROSSOVER_COLUMNS)
+    rank = {name: i for i, name in enumerate(order)}
+    for mode in dict.fromkeys(pairs["mode"]):
+        duels_of_mode = pairs[pairs["mode"] == mode].to_dict("records")
+        by_pair: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for duel in duels_of_mode:
+            pair = tuple(sorted((duel["winner"], duel["runner_up"]), key=lambda n: rank.get(n, len(rank))))
+            by_pair.setdefault(pair, []).append(duel)  # type: ignore[arg-type]
+        for pair in sorted(by_pair, key=lambda p: (rank.get(p[0], len(rank)), rank.get(p[1], len(rank)))):
+            rows.append(_pair_crossover(mode, by_pair[pair], rules))
+    return pd.DataFrame(rows, columns=CROSSOVER_COLUMNS)
+
+
+def _pair_crossover(mode: str, pair_duels: list[dict[str, Any]], rules: VerdictRules) -> dict[str, Any]:
+    ordered = sorted(pair_duels, key=lambda d: (d["context"] * d["concurrency"], d["context"]))
+    won = [d for d in ordered if decisive(d, rules)]
+    row: dict[str, Any] = dict.fromkeys(CROSSOVER_COLUMNS)
+    row.update(mode=mode, found=False, groups=len(ordered), decisive_groups=len(won))
+    if not won:
+        # No clear lead anywhere: name the pair all the same, so that the report can say so.
+        row.update(leader=ordered[0]["winner"], other=ordered[0]["runner_up"])
+        return row
+    leader, other = won[0]["winner"], won[0]["runner_up"]
+    row.update(leader=leader, other=other)
+    overtaken = next((d for d in won if d["winner"] != leader), None)
+    if overtaken is not None:
+        row.update(
+            found=True,
+            context=int(overtaken["context"]),
+            concurrency=int(overtaken["concurrency"]),
+            factor=overtaken["factor"],
+            factor_ci_low=_none_if_nan(overtaken.get("factor_ci_low")),
+            factor_ci_high=_none_if_nan(overtaken.get("factor_ci_high")),
+        )
+    return row
 
 
 def _none_if_nan(value: Any) -> float | None:

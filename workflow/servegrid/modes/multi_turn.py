@@ -166,24 +166,13 @@ MODE = register(
                 N_("Turn-2 TTFT p50 (95%% CI) on a linear scale, one panel per base context."),
             ),
             FigureSpec(
-                "multi_turn_wall",
-                "one_configuration_by_context",
-                N_("The speculative configuration alone"),
+                "multi_turn_by_context",
+                "each_configuration_by_context",
+                N_("Each configuration alone, one line per base context"),
                 N_(
-                    "The speculative configuration's turn-2 TTFT alone, one line per base context, on a linear scale: "
-                    "it re-prefills the whole conversation at every turn."
+                    "Each configuration's turn-2 TTFT, one line per base context, each panel on its own linear scale "
+                    "so that a flat curve shows as flat; points circled in red ran into the KV-cache capacity."
                 ),
-                {"role": "speculative", "zoom": False},
-            ),
-            FigureSpec(
-                "multi_turn_caching_zoom",
-                "one_configuration_by_context",
-                N_("The caching configuration alone, zoomed"),
-                N_(
-                    "The caching configuration's turn-2 TTFT alone, zoomed so that its flatness shows; points circled "
-                    "in red ran into the KV-cache capacity."
-                ),
-                {"role": "caching", "zoom": True},
             ),
         ),
         conclusion=N_(

@@ -1,0 +1,120 @@
+"""Any number of configurations (1 to 8): the verdict ranks them all, crossovers come per pair, the
+figures and the report carry every one, labels come in each report language."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from helpers import synthetic_cell, with_changes
+from servegrid import aggregate, figure_list, figures
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError
+
+# Decode tokens/s per session follow from the interval between tokens: smaller is faster.
+INTERVALS = {"a": 0.010, "b": 0.005, "c": 0.004, "d": 0.0098, "e": 0.020}
+
+
+def experiment_of(demo_raw, names: list[str], **changes) -> Experiment:  # type: ignore[no-untyped-def]
+    template = demo_raw["configurations"]["prefix_cache"]
+    raw = with_changes(demo_raw, **changes)
+    raw["configurations"] = {n: {**template, "label": f"config {n}"} for n in names}
+    raw["workloads"] = {"decode": {**demo_raw["workloads"]["decode"], "contexts": [512], "concurrency": [1, 4]}}
+    return Experiment(raw)
+
+
+def measured(tmp_path, experiment: Experiment, skip: set[tuple[str, int]] = frozenset(), **interval_at):  # type: ignore[no-untyped-def]
+    """Synthetic decode cells for every configuration; ``skip`` (configuration, concurrency) pairs are absent."""
+    paths = []
+    for cell in experiment.cells():
+        if (cell.configuration, cell.concurrency) in skip:
+            continue
+        interval = interval_at.get(f"{cell.configuration}{cell.concurrency}", INTERVALS[cell.configuration])
+        path = tmp_path / cell.path
+        synthetic_cell(path, cell.configuration, "decode", cell.context, cell.concurrency, ttft_s=0.05,
+                       interval_s=interval, requests=12, hit_rate=0.0, interval_spread=0.05)  # fmt: skip
+        paths.append(str(path))
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross")}
+    aggregate.aggregate(experiment, paths, out["r"], out["s"], out["v"], out["c"], out["verdict"], out["cross"])
+    return {k: pd.read_parquet(v) for k, v in out.items()}
+
+
+def test_one_configuration_compares_nothing_and_says_so(demo_raw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tables = measured(tmp_path, experiment_of(demo_raw, ["a"]))
+    assert tables["c"].empty and tables["cross"].empty
+    assert set(tables["verdict"]["outcome"]) == {"no_data"}
+
+
+@pytest.mark.parametrize("names", [["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])
+def test_every_configuration_is_ranked_and_the_winner_is_measured_against_the_runner_up(
+    demo_raw, tmp_path, monkeypatch, names
+):
+    monkeypatch.chdir(tmp_path)
+    tables = measured(tmp_path, experiment_of(demo_raw, names))
+    expected = sorted(names, key=lambda n: INTERVALS[n])  # the shortest interval decodes fastest
+    for _, group in tables["c"].iterrows():
+        assert group["ranking"].split(",") == expected and group["n_configurations"] == len(names)
+        assert (group["winner"], group["runner_up"]) == (expected[0], expected[1])
+        assert group["factor"] == pytest.approx(INTERVALS[expected[1]] / INTERVALS[expected[0]], rel=0.05)
+    decode = tables["verdict"].set_index("class_id").loc["decode"]
+    if len(names) == 4:  # c beats b by 1.25×: decisive
+        assert decode["winner"] == "c" and decode["outcome"] == "win"
+    # One crossover row per mode and pair, in the config's order.
+    pairs = [tuple(sorted((r["leader"], r["other"]))) for _, r in tables["cross"].iterrows()]
+    assert sorted(pairs) == sorted((x, y) for i, x in enumerate(names) for y in names[i + 1 :])
+
+
+def test_a_near_tie_names_no_winner_and_a_missing_configuration_is_ranked_where_it_ran(demo_raw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # a and d differ by 2%: below verdict.min_factor (1.05), whatever the interval; c did not run at 4 sessions.
+    tables = measured(tmp_path, experiment_of(demo_raw, ["a", "d", "c"]), skip={("c", 4)})
+    groups = tables["c"].set_index("concurrency")
+    assert groups.loc[1, "ranking"] == "c,d,a" and groups.loc[4, "ranking"] == "d,a"
+    assert groups.loc[4, "factor"] == pytest.approx(1.02, abs=0.02)
+    cross = {tuple(sorted((r["leader"], r["other"]))): r for r in tables["cross"].to_dict("records")}
+    assert cross[("a", "d")]["decisive_groups"] == 0 and not cross[("a", "d")]["found"]  # no clear lead
+    assert cross[("c", "d")]["groups"] == 1  # only where both ran
+
+
+def test_the_lead_changes_where_the_data_says(demo_raw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # b leads at 1 session; a is twice as fast at 4 (its interval halves there).
+    tables = measured(tmp_path, experiment_of(demo_raw, ["a", "b"]), a4=0.0025)
+    (row,) = tables["cross"].to_dict("records")
+    assert (row["leader"], row["other"], row["found"]) == ("b", "a", True)
+    assert (row["context"], row["concurrency"]) == (512, 4) and row["factor"] == pytest.approx(2.0, rel=0.05)
+
+
+@pytest.mark.parametrize("names", [["a"], ["a", "b", "c", "d", "e"]])
+def test_figures_render_for_one_and_for_five_configurations(demo_raw, tmp_path, monkeypatch, names):
+    monkeypatch.chdir(tmp_path)
+    experiment = experiment_of(demo_raw, names, **{"report.baseline": names[-1]})
+    measured(tmp_path, experiment)
+    written = figures.draw_all(experiment, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"),
+                               tmp_path / "figures", "pt")  # fmt: skip
+    assert len(written) == len(figure_list.figure_paths(experiment, "x"))
+    assert all(path.stat().st_size > 5_000 for path in written)
+
+
+def test_labels_and_title_come_in_each_report_language(demo_raw):
+    labels = {"pt": "especulação", "hu": "spekuláció"}
+    title = {"pt": "Título", "hu": "Cím"}
+    raw = with_changes(
+        demo_raw,
+        **{"experiment.title": title, "configurations.ngram.label": labels, "configurations.prefix_cache.label": "pc"},
+    )
+    experiment = Experiment(raw)
+    assert (experiment.title("pt"), experiment.title("hu")) == ("Título", "Cím")
+    assert (experiment.label("ngram", "pt"), experiment.label("ngram", "hu")) == ("especulação", "spekuláció")
+    assert experiment.label("prefix_cache", "pt") == experiment.label("prefix_cache", "hu") == "pc"  # one for all
+    only_pt = with_changes(demo_raw, **{"configurations.ngram.label": {"pt": "especulação"}})
+    with pytest.raises(ConfigError, match=r"configurations\.ngram\.label: no text for hu \(report\.languages\)"):
+        Experiment(only_pt)
+
+
+def test_the_baseline_must_be_a_configuration(demo_raw):
+    with pytest.raises(ConfigError, match=r"report\.baseline: 'nope' is not a configuration \(known: prefix_cache"):
+        Experiment(with_changes(demo_raw, **{"report.baseline": "nope"}))
+    assert Experiment(demo_raw).baseline() == "prefix_cache"
+    assert Experiment(with_changes(demo_raw, **{"report.baseline": "ngram"})).baseline() == "ngram"
