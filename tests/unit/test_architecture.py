@@ -167,18 +167,19 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
     assert experiment.workload("decode_short").settings["burst"] == 3  # its own schema, its own default filled
     assert experiment.workload("decode_short").settings["output_tokens"] == 16
     assert [c.id for c in experiment.verdict.classes][-1] == "decode_short"  # a verdict class of its own
-    speeds = {"prefix_cache": 0.004, "ngram": 0.002}
+    speeds = {"prefix_cache": 0.004, "ngram": 0.002, "both": 0.0025}  # the demo's three configurations
     for cell in experiment.cells():
         synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
                        ttft_s=0.05, interval_s=speeds[cell.configuration], output_tokens=16)  # fmt: skip
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("requests", "summary", "servers", "comparisons", "verdict",
-                                                        "crossovers")}  # fmt: skip
+                                                        "crossovers", "production")}  # fmt: skip
     summary = aggregate.aggregate(
         experiment, [c.path for c in experiment.cells()], out["requests"], out["summary"], out["servers"],
         out["comparisons"], verdict_out=out["verdict"], crossovers_out=out["crossovers"],
+        production_out=out["production"],
     )  # fmt: skip
     toy_rows = summary[summary["mode"] == "decode_short"]
-    assert len(toy_rows) == 4 and set(toy_rows["primary_metric"]) == {"decode_tps"}
+    assert len(toy_rows) == 3 * 2 and set(toy_rows["primary_metric"]) == {"decode_tps"}
     import pandas as pd
 
     verdict = pd.read_parquet(out["verdict"]).set_index("class_id")
@@ -190,7 +191,7 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
     assert (figures_dir / "decode_short_tps.svg").stat().st_size > 1000
     html = tmp_path / "r.html"
     report.render(experiment, "pt", out["summary"], out["comparisons"], out["servers"], figures_dir, str(html),
-                  str(tmp_path / "r.pdf"), out["verdict"], out["crossovers"])  # fmt: skip
+                  str(tmp_path / "r.pdf"), out["verdict"], out["crossovers"], out["production"])  # fmt: skip
     text = html.read_text(encoding="utf-8")
     assert '<section id="decode-short">' in text
     assert "Short decode: a toy mode registered by a test" in text

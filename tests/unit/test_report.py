@@ -38,6 +38,7 @@ def rendered(demo_grid, tmp_path):  # noqa: F811
             pdf_out=str(pdf),
             verdict_path=str(tmp_path / "verdict.parquet"),
             crossovers_path=str(tmp_path / "crossovers.parquet"),
+            production_path=str(tmp_path / "production.parquet"),
         )
         out[lang] = (html.read_text(encoding="utf-8"), pdf)
     return experiment, out
@@ -73,6 +74,11 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
     # No lead changes in this grid: one line per mode and pair says who leads throughout.
     assert pt.count("fica à frente de") == 3 and hu.count("mindenhol gyorsabb") == 3
     assert "Konverzációs, multi-turn munkaterhelésnél" in hu  # the conclusion, generated from the verdict
+    # The production table: decode within TPOT p90 ≤ 4 ms.
+    production = pt.split('id="production"')[1].split("</section>")[0]
+    assert "Decode: TPOT p90 ≤ 4 ms" in production or "TPOT p90 ≤ 4 ms" in production
+    assert "até 4 sessões" in production and "em nenhum ponto" in production
+    assert "legfeljebb 4 session" in hu and "sehol" in hu
     assert re.search(r"akár \d+,\d× TTFT|\d+,\d–\d+,\d× TTFT|\d+,\d× TTFT", hu)
 
 

@@ -105,6 +105,7 @@ def test_weasyprint_loads_every_resource(demo_grid, tmp_path, caplog):  # noqa: 
             comparisons_path=str(tmp_path / "comparisons.parquet"), servers_path=str(tmp_path / "servers.parquet"),
             figures_dir=figures_dir, html_out=str(tmp_path / "r.html"), pdf_out=str(tmp_path / "r.pdf"),
             verdict_path=str(tmp_path / "verdict.parquet"), crossovers_path=str(tmp_path / "crossovers.parquet"),
+            production_path=str(tmp_path / "production.parquet"),
         )  # fmt: skip
     problems = [r.getMessage() for r in caplog.records if r.name.startswith("weasyprint")]
     assert not problems, problems

@@ -12,6 +12,7 @@ rule aggregate:
         comparisons=paths.COMPARISONS_TABLE,
         verdict=paths.VERDICT_TABLE,
         crossovers=paths.CROSSOVERS_TABLE,
+        production=paths.PRODUCTION_TABLE,
     log:
         "results/logs/aggregate.log",
     conda:
@@ -19,5 +20,6 @@ rule aggregate:
     params:
         verdict_rules=as_params(EXPERIMENT.verdict),
         validity=as_params(EXPERIMENT.validity),
+        slo=canonical_json(EXPERIMENT.raw["slo"]),
     script:
         "../scripts/aggregate.py"

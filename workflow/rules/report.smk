@@ -9,6 +9,7 @@ rule report_document:
         figures=figure_paths(EXPERIMENT, paths.FIGURES_LANG_DIR),
         verdict=paths.VERDICT_TABLE,
         crossovers=paths.CROSSOVERS_TABLE,
+        production=paths.PRODUCTION_TABLE,
         templates=REPORT_TEMPLATES,
         catalogue="report/locales/{lang}/LC_MESSAGES/messages.po",
     output:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from servegrid import atomic, metrics, modes, records, stats, verdict
+from servegrid import atomic, metrics, modes, records, slo, stats, verdict
 from servegrid.config import Experiment, Validity
 from servegrid.errors import CellFileError
 
@@ -116,6 +116,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         "primary_n": len(primary_rows),
     }
     values = primary_rows[primary.column].to_numpy(dtype=float)
+    row.update(slo.cell_columns(measured, experiment.slo.get(cell["mode"], ()), meta.get("duration_s")))
     row["primary_p50"] = stats.percentiles(values)["p50"]
     row["primary_ci_low"], row["primary_ci_high"] = stats.median_ci(values)
     by_repeat = [
@@ -309,6 +310,7 @@ def aggregate(
     comparisons_out: str,
     verdict_out: str | None = None,
     crossovers_out: str | None = None,
+    production_out: str | None = None,
 ) -> pd.DataFrame:
     df, metas = load_cells(cell_paths)
     derived = derive(df) if len(df) else df
@@ -325,6 +327,8 @@ def aggregate(
         outputs.append((verdict.classify(comparisons, rules), verdict_out))
     if crossovers_out:
         outputs.append((verdict.crossovers(verdict.duels(summary, derived, order), order, rules), crossovers_out))
+    if production_out:
+        outputs.append((slo.production(summary, order, list(experiment.slo)), production_out))
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
             frame.to_parquet(tmp, index=False)

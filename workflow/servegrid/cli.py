@@ -141,6 +141,7 @@ def cmd_aggregate(experiment: Experiment, args: argparse.Namespace) -> int:
         comparisons_out=paths.COMPARISONS_TABLE,
         verdict_out=paths.VERDICT_TABLE,
         crossovers_out=paths.CROSSOVERS_TABLE,
+        production_out=paths.PRODUCTION_TABLE,
     )
     print(f"{len(summary)} cells → {paths.SUMMARY_TABLE}")
     return 0
@@ -169,6 +170,7 @@ def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
             comparisons_path=paths.COMPARISONS_TABLE,
             verdict_path=paths.VERDICT_TABLE,
             crossovers_path=paths.CROSSOVERS_TABLE,
+            production_path=paths.PRODUCTION_TABLE,
             servers_path=paths.SERVERS_TABLE,
             figures_dir=Path(paths.FIGURES_DIR) / lang,
             html_out=html,

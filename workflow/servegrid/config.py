@@ -31,11 +31,13 @@ from servegrid.sections import (
     EngineSection,
     ExperimentInfo,
     ModelSection,
+    Objective,
     Operations,
     Validity,
     VerdictRules,
     Workload,
     localized,
+    objectives,
     section,
 )
 
@@ -97,6 +99,8 @@ class Experiment:
         self.verdict = VerdictRules.from_config(r["verdict"])
         self.languages: list[str] = list(r["report"]["languages"])
         self.report_baseline: str | None = r["report"]["baseline"]
+        # Service-level objectives per mode (servegrid.slo); a mode without any has no production row.
+        self.slo: dict[str, tuple[Objective, ...]] = {m: objectives(o) for m, o in r["slo"].items()}
         checks.check(self)
 
     @classmethod

@@ -104,6 +104,7 @@ def aggregate(smk: Any) -> None:
             comparisons_out=smk.output.comparisons,
             verdict_out=smk.output.verdict,
             crossovers_out=smk.output.crossovers,
+            production_out=smk.output.production,
         )
 
     _run(smk, body)
@@ -129,6 +130,7 @@ def render_report(smk: Any) -> None:
             comparisons_path=smk.input.comparisons,
             verdict_path=smk.input.verdict,
             crossovers_path=smk.input.crossovers,
+            production_path=smk.input.production,
             servers_path=smk.input.servers,
             figures_dir=Path(smk.params.figures_dir),
             html_out=smk.output.html,

@@ -129,6 +129,7 @@ def render(
     pdf_out: str,
     verdict_path: str | None = None,
     crossovers_path: str | None = None,
+    production_path: str | None = None,
 ) -> None:
     try:
         from weasyprint import HTML  # imported late: it is slow to import and only this step needs it
@@ -142,6 +143,7 @@ def render(
         read_table(servers_path),
         verdict=read_table(verdict_path) if verdict_path else None,
         crossovers=read_table(crossovers_path) if crossovers_path else None,
+        production=read_table(production_path) if production_path else None,
     )
     prov = provenance(experiment)
     atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))

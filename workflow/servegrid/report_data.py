@@ -32,6 +32,7 @@ class ReportData:
         servers: pd.DataFrame,
         verdict: pd.DataFrame | None = None,
         crossovers: pd.DataFrame | None = None,
+        production: pd.DataFrame | None = None,
         formatter: Formatter | None = None,
         gettext: Any = None,
     ) -> None:
@@ -44,6 +45,7 @@ class ReportData:
         self.servers = servers
         self.verdict = verdict if verdict is not None else pd.DataFrame()
         self.crossovers = crossovers if crossovers is not None else pd.DataFrame()
+        self.production = production if production is not None else pd.DataFrame()
 
     @staticmethod
     def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
@@ -68,6 +70,41 @@ class ReportData:
             row | {"leader_label": self.label(row["leader"]), "other_label": self.label(row["other"])}
             for row in self.records(self.crossovers)
         ]
+
+    def production_sections(self) -> list[dict[str, Any]]:
+        """Per mode with service-level objectives: the objectives as the reader reads them, and per context
+        each configuration's highest sustained concurrency (the production table) with the winner's label."""
+        sections = []
+        table = self.production
+        for name in self.experiment.modes():
+            goals = self.experiment.slo.get(name)
+            if not goals:
+                continue
+            mine = table[table["mode"] == name] if len(table) else table
+            rows = []
+            for context in sorted(mine["context"].unique()) if len(mine) else []:
+                at = self.records(mine[mine["context"] == context])
+                winners = [r["configuration"] for r in at if r["winner"]]
+                rows.append(
+                    {
+                        "context": int(context),
+                        "cells": {r["configuration"]: r for r in at},
+                        "winner_label": self.label(winners[0]) if winners else None,
+                    }
+                )
+            sections.append({"mode": modes.get(name), "objectives": self.objectives_text(goals), "rows": rows})
+        return sections
+
+    def objectives_text(self, goals: Any) -> str:
+        """``TPOT p90 ≤ 50 ms; TTFT p99 ≤ 2 s`` in the locale's number format."""
+        parts = []
+        for goal in goals:
+            in_ms = goal.key.endswith("_ms")
+            limit = goal.limit_s * 1000 if in_ms else goal.limit_s
+            number = self.format_value(round(limit, 6))
+            parts.append(f"{goal.metric.upper() if goal.metric != 'e2e' else 'e2e'} p{goal.percentile} ≤ {number} "
+                         f"{'ms' if in_ms else 's'}")  # fmt: skip
+        return "; ".join(parts)
 
     def label(self, configuration: str | None) -> str:
         """A configuration's label in the report's language, from the config (a declared input of the

@@ -92,6 +92,7 @@ def load_schema() -> dict[str, Any]:
             "required": ["contexts", "concurrency"],
             "properties": properties,
         }
+    schema["properties"]["slo"]["properties"] = {name: {"$ref": "#/$defs/objectives"} for name in modes.names()}
     classes = schema["properties"]["verdict"]["properties"]["classes"]
     classes["items"]["properties"]["mode"]["enum"] = modes.names()
     # By default: the KV-limited corner, then one class per mode, so a new mode has its verdict row.

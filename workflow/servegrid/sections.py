@@ -6,6 +6,7 @@ never the configuration by string key.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -138,3 +139,28 @@ class VerdictRules:
             min_factor=section["min_factor"],
             range_style_ratio=section["range_style_ratio"],
         )
+
+
+# ---- service-level objectives (servegrid.slo computes with them) ------------------------------------
+
+_KEY = re.compile(r"^(ttft|tpot|e2e)_p(\d+)_(ms|s)$")
+
+
+@dataclass(frozen=True)
+class Objective:
+    key: str  # as written in the config: tpot_p90_ms
+    metric: str  # ttft | tpot | e2e
+    percentile: int
+    limit_s: float  # in seconds, whatever the unit written
+
+    @classmethod
+    def parse(cls, key: str, limit: float) -> Objective:
+        match = _KEY.match(key)
+        if match is None:  # the schema lets no other key through
+            raise ValueError(f"not an objective: {key}")
+        metric, percentile, unit = match[1], int(match[2]), match[3]
+        return cls(key, metric, percentile, float(limit) / (1000.0 if unit == "ms" else 1.0))
+
+
+def objectives(written: Mapping[str, float] | None) -> tuple[Objective, ...]:
+    return tuple(Objective.parse(k, v) for k, v in sorted((written or {}).items()))

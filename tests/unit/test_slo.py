@@ -1,0 +1,107 @@
+"""Service-level objectives: attainment, goodput and the production table, on hand-computed examples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from helpers import with_changes
+from servegrid import slo
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError
+from servegrid.sections import objectives
+
+
+def requests(ttft: list[float], tpot: list[float], errors: set[int] = frozenset()) -> pd.DataFrame:  # type: ignore[assignment]
+    return pd.DataFrame(
+        {
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "e2e_s": [a + 10 * b for a, b in zip(ttft, tpot, strict=True)],
+            "error": [("HTTP 500" if i in errors else None) for i in range(len(ttft))],
+        }
+    )
+
+
+def test_objectives_are_read_as_written_and_kept_in_seconds():
+    (tpot,) = objectives({"tpot_p90_ms": 50})
+    assert (tpot.metric, tpot.percentile, tpot.limit_s) == ("tpot", 90, pytest.approx(0.05))
+    (ttft,) = objectives({"ttft_p99_s": 2})
+    assert (ttft.metric, ttft.percentile, ttft.limit_s) == ("ttft", 99, 2.0)
+
+
+def test_attainment_goodput_and_whether_the_cell_meets_them():
+    ttft = [0.1 * i for i in range(1, 11)]  # 0.1 … 1.0 s
+    frame = requests(ttft, [0.01] * 10)
+    columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.85}), duration_s=4.0)
+    # 8 of 10 requests within 0.85 s, not 9 of 10: the cell does not meet a p90 objective, but a p80 one.
+    assert columns["slo_attainment"] == pytest.approx(0.8) and columns["goodput_rps"] == pytest.approx(2.0)
+    assert columns["slo_met"] is False
+    assert columns["slo_attainment_ci_low"] < 0.8 < columns["slo_attainment_ci_high"]  # Wilson interval
+    assert slo.cell_columns(frame, objectives({"ttft_p80_s": 0.85}), 4.0)["slo_met"] is True
+
+
+def test_a_failed_request_meets_no_objective_and_every_objective_must_hold():
+    frame = requests([0.1] * 10, [0.01] * 9 + [0.2], errors={0})
+    columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.5, "tpot_p80_ms": 50}), duration_s=2.0)
+    # request 0 failed, request 9 is too slow per token: 8 of 10 meet both; 9 of 10 the TTFT objective
+    assert columns["slo_attainment"] == pytest.approx(0.8) and columns["goodput_rps"] == pytest.approx(4.0)
+    assert columns["slo_met"] is True
+    assert slo.cell_columns(frame, objectives({"tpot_p90_ms": 50}), 2.0)["slo_met"] is False
+    one_more = requests([0.1] * 10, [0.01] * 9 + [0.2], errors={0, 1})
+    assert slo.cell_columns(one_more, objectives({"ttft_p90_s": 0.5}), 2.0)["slo_met"] is False
+
+
+def test_no_objectives_no_columns():
+    assert set(slo.cell_columns(requests([0.1], [0.01]), (), 1.0).values()) == {None}
+
+
+def summary(rows: list[tuple[str, int, bool, float]]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {"mode": "decode", "context": 512, "configuration": name, "concurrency": c, "valid": True,
+             "slo_met": met, "goodput_rps": goodput}
+            for name, c, met, goodput in rows
+        ]
+    )  # fmt: skip
+
+
+def test_the_production_table_names_the_highest_sustained_concurrency_and_the_winner():
+    table = slo.production(
+        summary(
+            [
+                ("a", 1, True, 1.0), ("a", 2, False, 0.5), ("a", 4, True, 3.0),  # non-monotone: sustains 1
+                ("b", 1, True, 1.0), ("b", 2, True, 1.9), ("b", 4, True, 3.5),  # sustains 4
+                ("c", 1, False, 0.0), ("c", 2, False, 0.0), ("c", 4, False, 0.0),  # nowhere
+            ]
+        ),
+        ["a", "b", "c"],
+        ["decode"],
+    ).set_index("configuration")  # fmt: skip
+    assert table.loc["a", "sustained_concurrency"] == 1 and table.loc["a", "non_monotone"]
+    assert table.loc["a", "met"] == "1,4" and table.loc["a", "measured"] == "1,2,4"
+    assert table.loc["b", "sustained_concurrency"] == 4 and not table.loc["b", "non_monotone"]
+    assert table.loc["b", "goodput_rps"] == pytest.approx(3.5)
+    assert np.isnan(table.loc["c", "sustained_concurrency"]) and pd.isna(table.loc["c", "goodput_rps"])
+    assert list(table["winner"]) == [False, True, False]
+
+
+def test_equal_sustained_concurrency_goes_to_the_higher_goodput_and_invalid_cells_never_count():
+    rows = summary([("a", 1, True, 1.0), ("a", 2, True, 1.5), ("b", 1, True, 1.0), ("b", 2, True, 1.8)])
+    table = slo.production(rows, ["a", "b"], ["decode"]).set_index("configuration")
+    assert table.loc["b", "winner"] and not table.loc["a", "winner"]
+    rows.loc[(rows["configuration"] == "b") & (rows["concurrency"] == 2), "valid"] = False
+    table = slo.production(rows, ["a", "b"], ["decode"]).set_index("configuration")
+    assert table.loc["a", "winner"] and table.loc["b", "sustained_concurrency"] == 1
+
+
+def test_objectives_must_name_an_enabled_mode_and_a_known_figure(demo_raw):
+    raw = with_changes(demo_raw, **{"slo.decode": {"tpot_p90_ms": 50}})
+    assert Experiment(raw).slo["decode"][0].limit_s == pytest.approx(0.05)
+    with pytest.raises(ConfigError, match=r"slo\.decode: 'tpot_p90_min' does not match any of the regexes|"
+                                          r"slo\.decode: Additional properties"):  # fmt: skip
+        Experiment(with_changes(demo_raw, **{"slo.decode": {"tpot_p90_min": 50}}))
+    disabled = with_changes(demo_raw, **{"workloads.decode.enabled": False, "slo.decode": {"tpot_p90_ms": 50}})
+    with pytest.raises(ConfigError, match=r"slo\.decode: objectives for a workload mode that is not enabled"):
+        Experiment(disabled)

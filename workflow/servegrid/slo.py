@@ -1,0 +1,103 @@
+"""Service-level objectives: which requests meet them, whether a cell does, and the production table.
+
+An objective is a percentile limit on one per-request latency, written as the config writes it
+(``tpot_p90_ms: 50``: the 90th percentile of TPOT at most 50 ms). A request *meets* the objectives
+when every one of its latencies is within its limit (a failed request meets none); a cell *meets* them
+when, for each objective, at least its percentile's share of the cell's measured requests is within
+its limit (``p90``: 90% of them), which is the percentile being within the limit. Goodput is the requests that
+met every objective per second of the measured phase, as AIPerf and inference-perf define it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats as scipy_stats
+
+from servegrid.sections import Objective
+
+COLUMNS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}  # the per-request figures (servegrid.aggregate)
+
+
+def met_by_request(requests: pd.DataFrame, goals: tuple[Objective, ...]) -> np.ndarray:
+    """Per measured request: within every objective's limit (an error, or a missing figure, is not)."""
+    ok = requests["error"].isna().to_numpy().copy()  # a view of the frame may be read-only
+    for goal in goals:
+        values = requests[COLUMNS[goal.metric]].to_numpy(dtype=float)
+        ok &= ~np.isnan(values) & (values <= goal.limit_s)
+    return ok
+
+
+def cell_columns(requests: pd.DataFrame, goals: tuple[Objective, ...], duration_s: float | None) -> dict[str, Any]:
+    """The summary's SLO columns of one cell from its measured requests (all of them, failed ones too)."""
+    empty = {"slo_met": None, "slo_attainment": None, "slo_attainment_ci_low": None,
+             "slo_attainment_ci_high": None, "goodput_rps": None}  # fmt: skip
+    if not goals or requests.empty:
+        return empty
+    met = met_by_request(requests, goals)
+    n, k = len(met), int(met.sum())
+    interval = scipy_stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    # Each objective holds when at least its percentile's share of the requests is within its limit
+    # (p90: 90% of them): the percentile itself without interpolating across a failed request.
+    cell_met = all(met_by_request(requests, (goal,)).mean() >= goal.percentile / 100 for goal in goals)
+    return {
+        "slo_met": cell_met,
+        "slo_attainment": k / n,
+        "slo_attainment_ci_low": float(interval.low),
+        "slo_attainment_ci_high": float(interval.high),
+        "goodput_rps": k / duration_s if duration_s and duration_s > 0 and not math.isnan(duration_s) else None,
+    }
+
+
+PRODUCTION_COLUMNS = ["mode", "context", "configuration", "sustained_concurrency", "measured", "met",
+                      "non_monotone", "goodput_rps", "winner"]  # fmt: skip
+
+
+def production(summary: pd.DataFrame, order: list[str], modes_with_slo: list[str]) -> pd.DataFrame:
+    """Per mode with objectives, context and configuration: the highest concurrency it sustains within
+    them (every measured concurrency up to it meets them, valid cells only; None: nowhere), and per
+    mode and context the winner: the highest sustained concurrency, then the higher goodput there."""
+    rows: list[dict[str, Any]] = []
+    if summary.empty:
+        return pd.DataFrame(rows, columns=PRODUCTION_COLUMNS)
+    for mode in modes_with_slo:
+        cells = summary[summary["mode"] == mode]
+        for context in sorted(cells["context"].unique()):
+            at_context = cells[cells["context"] == context]
+            group = [
+                _sustained(mode, int(context), name, at_context[at_context["configuration"] == name])
+                for name in order
+                if (at_context["configuration"] == name).any()
+            ]
+            contenders = [r for r in group if r["sustained_concurrency"] is not None]
+            if contenders:
+                best = max(contenders, key=lambda r: (r["sustained_concurrency"], r["goodput_rps"] or 0.0))
+                best["winner"] = True
+            rows += group
+    return pd.DataFrame(rows, columns=PRODUCTION_COLUMNS)
+
+
+def _sustained(mode: str, context: int, name: str, cells: pd.DataFrame) -> dict[str, Any]:
+    cells = cells.sort_values("concurrency")
+    levels = [int(c) for c in cells["concurrency"]]
+    meets = [bool(r["valid"]) and r["slo_met"] is True for r in cells.to_dict("records")]
+    held = 0  # how many of the lowest levels meet the objectives, without a gap
+    while held < len(meets) and meets[held]:
+        held += 1
+    sustained = levels[held - 1] if held else None
+    goodput = cells["goodput_rps"].iloc[held - 1] if held else None
+    return {
+        "mode": mode,
+        "context": context,
+        "configuration": name,
+        "sustained_concurrency": sustained,
+        "measured": ",".join(map(str, levels)),
+        "met": ",".join(str(level) for level, ok in zip(levels, meets, strict=True) if ok),
+        # It meets them again above a level where it failed: noise, or a regime worth a look.
+        "non_monotone": any(meets[held + 1 :]),
+        "goodput_rps": None if goodput is None or pd.isna(goodput) else float(goodput),
+        "winner": False,
+    }
