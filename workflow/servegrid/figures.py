@@ -11,6 +11,7 @@ own format. Each figure is written as PNG (for the HTML report) and SVG
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -216,17 +217,25 @@ class Painter:
             for column, mode in enumerate(compared):
                 ax = grid[row][column]
                 ratios = self._ratios(valid, mode, name, baseline)
+                if row == 0:
+                    ax.set_title(self._(modes.get(mode).short_title), fontsize=10)
+                # The configuration names its row, on the left: panel titles would run into each other.
+                ylabel = self._("context (tokens)")
+                ylabel = f"{textwrap.fill(self.labels[name], 28)}\n\n{ylabel}" if column == 0 else ylabel
                 if ratios.empty:
-                    ax.axis("off")
+                    ax.set_xticks([])
+                    ax.set_yticks([])
+                    ax.grid(False)
+                    ax.set_ylabel(ylabel)
+                    ax.text(0.5, 0.5, self._("no valid cells to compare"), ha="center", va="center", color="#666666")
                     continue
                 grid_values = np.log2(ratios)
                 limit = max(1.0, float(np.nanmax(np.abs(grid_values.to_numpy()))))
                 annotations = ratios.map(lambda f: "" if f != f else self.number(f, 1) + "×")
                 sns.heatmap(grid_values, ax=ax, cmap="RdBu", center=0, vmin=-limit, vmax=limit, annot=annotations,
                             fmt="", cbar=False, linewidths=0.5, linecolor="white")  # fmt: skip
-                ax.set_title(f"{self.labels[name]} · {self._(modes.get(mode).short_title)}", fontsize=9)
                 ax.set_xlabel(self._("concurrent sessions"))
-                ax.set_ylabel(self._("context (tokens)"))
+                ax.set_ylabel(ylabel)
                 ax.set_yticklabels([self.number(int(c), 0) for c in ratios.index], rotation=0)
         legend = self._("against %(baseline)s: blue better, red worse") % {"baseline": self.labels[baseline]}
         fig.text(0.5, 0.01, legend, ha="center", fontsize=9)
