@@ -85,7 +85,7 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
 def test_html_is_self_contained_with_every_figure(rendered):
     experiment, out = rendered
     expected = len(figure_list.figure_specs(experiment))
-    assert expected == 6
+    assert expected == 8  # decode 2, single-turn 2, multi-turn 2, the heatmap, goodput (the grid has objectives)
     for html, _pdf in out.values():
         assert html.count('src="data:image/png;base64,') == expected
         assert not re.search(r'(src|href)="(https?:)?//', html)

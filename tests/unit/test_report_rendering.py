@@ -62,7 +62,7 @@ def test_html_in_headless_chromium(rendered, tmp_path, lang):  # noqa: F811
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout  # fmt: skip
     probe = json.loads(re.search(r'<pre id="servegrid-probe">(.*?)</pre>', dom, re.S)[1].replace("&quot;", '"'))
-    assert len(probe["images"]) == 6
+    assert len(probe["images"]) == 8
     assert all(image["ok"] for image in probe["images"]), probe["images"]
     assert probe["overflowing"] == []
     assert not probe["page_wider_than_window"]

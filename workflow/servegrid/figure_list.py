@@ -31,10 +31,27 @@ RUN_FIGURES = (
 )
 
 
+# Drawn when the config sets service-level objectives (slo:).
+GOODPUT_FIGURE = FigureSpec(
+    "goodput",
+    "goodput_by_concurrency",
+    N_("Goodput within the service-level objectives"),
+    N_(
+        "Requests per second that met every objective of their workload vs concurrent sessions, one panel per "
+        "workload and context, one line per configuration; a line that falls is a configuration leaving its "
+        "objectives behind."
+    ),
+)
+
+
+def run_figures(experiment: Experiment) -> tuple[FigureSpec, ...]:
+    return RUN_FIGURES + ((GOODPUT_FIGURE,) if experiment.slo else ())
+
+
 def figure_specs(experiment: Experiment) -> list[tuple[str | None, FigureSpec]]:
     """(mode name or None for a run figure, spec) for every figure of this experiment, in drawing order."""
     return [(name, spec) for name in experiment.modes() for spec in modes.get(name).figures] + [
-        (None, spec) for spec in RUN_FIGURES
+        (None, spec) for spec in run_figures(experiment)
     ]
 
 

@@ -36,8 +36,8 @@ Gettext = Callable[[str], str]
 
 # The kinds of figure a mode may declare (FigureSpec.kind): Painter methods taking (mode, **options);
 # and those of the whole run (servegrid.figure_list.RUN_FIGURES), taking nothing.
-MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context")
-RUN_KINDS = ("ratio_heatmap",)
+MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context", "throughput_latency")
+RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency")
 # One marker per configuration besides its colour, in config order: lines stay apart in grey print.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
@@ -197,7 +197,69 @@ class Painter:
         fig.tight_layout(rect=(0, 0.1 / rows_n, 1, 1))
         return fig
 
+    def throughput_latency(self, mode: str) -> plt.Figure:
+        """Total output tokens/s against decode tokens/s per session (the Pareto view), one panel per context,
+        one curve per configuration through its concurrencies, each point labelled with its sessions."""
+        data = self.summary[self.summary["mode"] == mode]
+        contexts = sorted(data["context"].unique()) or [0]
+        fig, axes = self._panels(len(contexts), height=3.9)
+        for ax, context in zip(axes, contexts, strict=True):
+            panel = data[data["context"] == context]
+            for name, label in self.labels.items():
+                rows = panel[panel["configuration"] == name].sort_values("concurrency")
+                if rows.empty:
+                    continue
+                x = rows["output_tps_total"].to_numpy(dtype=float)
+                y = rows["decode_tps_p50"].to_numpy(dtype=float)
+                ax.plot(x, y, marker=self.markers[name], color=self.colours[name], label=label, linewidth=2)
+                for xi, yi, sessions in zip(x, y, rows["concurrency"], strict=True):
+                    if not (np.isnan(xi) or np.isnan(yi)):
+                        ax.annotate(self.number(int(sessions), 0), (xi, yi), textcoords="offset points",
+                                    xytext=(5, 4), fontsize=8, color=self.colours[name])  # fmt: skip
+            ax.set_xlabel(self._("total output tokens/s (server)"))
+            ax.set_ylabel(self._("decode tokens/s per session (p50)"))
+            ax.set_xlim(left=0)
+            ax.set_ylim(bottom=0)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
+            self._axes_numbers(ax)
+            ax.set_title(self._context_title(mode, int(context)))
+        self._legend(fig, axes[0])
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        return fig
+
     # ---- figures of the whole run ------------------------------------------------------------
+    def goodput_by_concurrency(self) -> plt.Figure:
+        """Goodput (requests/s within the objectives) vs concurrency, one panel per mode with objectives and
+        context, one line per configuration."""
+        panels = [
+            (mode, int(context))
+            for mode in self.experiment.modes()
+            if mode in self.experiment.slo
+            for context in sorted(self.summary.loc[self.summary["mode"] == mode, "context"].unique())
+        ]
+        columns = max(1, min(3, len(panels)))
+        rows_n = max(1, -(-len(panels) // columns))
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
+        fig, grid = plt.subplots(rows_n, columns, figsize=(3.9 * columns + 1.2, 3.4 * rows_n + 0.6), squeeze=False)
+        axes = list(grid.flat)
+        for ax, (mode, context) in zip(axes, panels, strict=False):
+            cells = self.summary[(self.summary["mode"] == mode) & (self.summary["context"] == context)]
+            for name, label in self.labels.items():
+                rows = cells[cells["configuration"] == name].sort_values("concurrency")
+                if len(rows):
+                    ax.plot(rows["concurrency"], rows["goodput_rps"].astype(float), marker=self.markers[name],
+                            color=self.colours[name], label=label, linewidth=2)  # fmt: skip
+            self._concurrency_axis(ax, sorted(int(c) for c in cells["concurrency"].unique()))
+            ax.set_ylabel(self._("requests/s within the objectives"))
+            ax.set_ylim(bottom=0)
+            self._axes_numbers(ax)
+            ax.set_title(f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}", fontsize=9)
+        for ax in axes[len(panels) :]:
+            ax.axis("off")
+        self._legend(fig, axes[0])
+        fig.tight_layout(rect=(0, 0.1 / rows_n, 1, 1))
+        return fig
+
     def ratio_heatmap(self) -> plt.Figure:
         """Each configuration against the baseline: how many times better (or worse) its primary p50 is,
         one row of panels per configuration, one panel per mode, context × concurrency in each."""

@@ -17,7 +17,7 @@ from babel import Locale
 from servegrid import engines, modes, redact, stats
 from servegrid.catalogues import Formatter
 from servegrid.config import Experiment, canonical_json
-from servegrid.figure_list import RUN_FIGURES
+from servegrid.figure_list import run_figures
 from servegrid.modes.base import FigureSpec, Mode
 
 
@@ -157,9 +157,8 @@ class ReportData:
             return str(value)
         return self.formatter.integer(value) if float(value).is_integer() else self.formatter.num(value, 2)
 
-    @staticmethod
-    def run_figures() -> tuple[FigureSpec, ...]:
-        return RUN_FIGURES
+    def run_figures(self) -> tuple[FigureSpec, ...]:
+        return run_figures(self.experiment)
 
     def shared_args(self) -> str:
         """engine.args as the report prints them: secrets masked."""

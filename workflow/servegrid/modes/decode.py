@@ -63,6 +63,16 @@ MODE = register(
                 N_("Decode tokens/s per session vs concurrent sessions"),
                 N_("Decode tokens/s per session (p50, 95%% CI) vs concurrent sessions, one line per configuration."),
             ),
+            FigureSpec(
+                "decode_pareto",
+                "throughput_latency",
+                N_("Throughput against the speed each session sees"),
+                N_(
+                    "Total output tokens/s of the server against decode tokens/s per session (p50), one curve per "
+                    "configuration and prompt length, each point labelled with its concurrent sessions: up and to "
+                    "the right is better; a curve that bends down trades per-session speed for throughput."
+                ),
+            ),
         ),
         describe=lambda w: {"prompt": list(w["contexts"]), "output": w["output_tokens"]},
         conclusion=N_("%(winner)s pays off for decode-heavy work on cold prompts (%(range)s)."),
