@@ -187,7 +187,7 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
     names = [spec.name for _, spec in figure_list.figure_specs(experiment)]
     assert "decode_short_tps" in names
     figures_dir = tmp_path / "figures"
-    figures.draw_all(experiment, out["summary"], out["comparisons"], figures_dir, "pt")
+    figures.draw_all(experiment, out["summary"], out["comparisons"], figures_dir, "pt", requests_path=out["requests"])
     assert (figures_dir / "decode_short_tps.svg").stat().st_size > 1000
     html = tmp_path / "r.html"
     report.render(experiment, "pt", out["summary"], out["comparisons"], out["servers"], figures_dir, str(html),

@@ -92,7 +92,7 @@ def test_figures_render_for_one_and_for_five_configurations(demo_raw, tmp_path, 
     experiment = experiment_of(demo_raw, names, **{"report.baseline": names[-1]})
     measured(tmp_path, experiment)
     written = figures.draw_all(experiment, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"),
-                               tmp_path / "figures", "pt")  # fmt: skip
+                               tmp_path / "figures", "pt", requests_path=str(tmp_path / "r.parquet"))  # fmt: skip
     assert len(written) == len(figure_list.figure_paths(experiment, "x"))
     assert all(path.stat().st_size > 5_000 for path in written)
 

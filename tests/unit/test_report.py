@@ -24,7 +24,12 @@ def rendered(demo_grid, tmp_path):  # noqa: F811
     for lang in ("pt", "hu"):
         figures_dir = tmp_path / "figures" / lang
         figures.draw_all(
-            experiment, str(tmp_path / "summary.parquet"), str(tmp_path / "comparisons.parquet"), figures_dir, lang
+            experiment,
+            str(tmp_path / "summary.parquet"),
+            str(tmp_path / "comparisons.parquet"),
+            figures_dir,
+            lang,
+            requests_path=str(tmp_path / "requests.parquet"),
         )
         html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
         report.render(
@@ -85,7 +90,7 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
 def test_html_is_self_contained_with_every_figure(rendered):
     experiment, out = rendered
     expected = len(figure_list.figure_specs(experiment))
-    assert expected == 8  # decode 2, single-turn 2, multi-turn 2, the heatmap, goodput (the grid has objectives)
+    assert expected == 9  # decode 2, single-turn 2, multi-turn 2, the heatmap, the CDFs, goodput (objectives set)
     for html, _pdf in out.values():
         assert html.count('src="data:image/png;base64,') == expected
         assert not re.search(r'(src|href)="(https?:)?//', html)

@@ -62,7 +62,7 @@ def test_html_in_headless_chromium(rendered, tmp_path, lang):  # noqa: F811
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout  # fmt: skip
     probe = json.loads(re.search(r'<pre id="servegrid-probe">(.*?)</pre>', dom, re.S)[1].replace("&quot;", '"'))
-    assert len(probe["images"]) == 8
+    assert len(probe["images"]) == 9
     assert all(image["ok"] for image in probe["images"]), probe["images"]
     assert probe["overflowing"] == []
     assert not probe["page_wider_than_window"]
@@ -98,7 +98,7 @@ def test_weasyprint_loads_every_resource(demo_grid, tmp_path, caplog):  # noqa: 
     run_aggregate(experiment, cells, tmp_path)
     figures_dir = tmp_path / "figures"
     figures.draw_all(experiment, str(tmp_path / "summary.parquet"), str(tmp_path / "comparisons.parquet"),
-                     figures_dir, "pt")  # fmt: skip
+                     figures_dir, "pt", requests_path=str(tmp_path / "requests.parquet"))  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="weasyprint"):
         report.render(
             experiment, "pt", summary_path=str(tmp_path / "summary.parquet"),

@@ -152,7 +152,10 @@ def cmd_figures(experiment: Experiment, args: argparse.Namespace) -> int:
 
     for lang in experiment.languages:
         out_dir = Path(paths.FIGURES_DIR) / lang
-        for path in figures.draw_all(experiment, paths.SUMMARY_TABLE, paths.COMPARISONS_TABLE, out_dir, lang):
+        drawn = figures.draw_all(
+            experiment, paths.SUMMARY_TABLE, paths.COMPARISONS_TABLE, out_dir, lang, requests_path=paths.REQUESTS_TABLE
+        )
+        for path in drawn:
             print(path)
     return 0
 

@@ -28,6 +28,16 @@ RUN_FIGURES = (
             "(report.baseline, named below the figure), per mode, context and concurrency; valid cells only."
         ),
     ),
+    FigureSpec(
+        "latency_cdfs",
+        "latency_cdfs",
+        N_("Latency distributions at the heaviest load"),
+        N_(
+            "Per workload, its largest context with the most concurrent sessions: the share of requests whose TTFT "
+            "(the workload's own turn) is at most x (top), and the share of tokens whose inter-token latency is at "
+            "most x (bottom), one line per configuration; valid requests only."
+        ),
+    ),
 )
 
 

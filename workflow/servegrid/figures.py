@@ -26,6 +26,7 @@ import seaborn as sns
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
 from servegrid import atomic, modes, stats
+from servegrid.aggregate import per_token_itl
 from servegrid.catalogues import format_number, load_catalog
 from servegrid.config import Experiment
 from servegrid.errors import ReportError
@@ -37,9 +38,10 @@ Gettext = Callable[[str], str]
 # The kinds of figure a mode may declare (FigureSpec.kind): Painter methods taking (mode, **options);
 # and those of the whole run (servegrid.figure_list.RUN_FIGURES), taking nothing.
 MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context", "throughput_latency")
-RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency")
+RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency", "latency_cdfs")
 # One marker per configuration besides its colour, in config order: lines stay apart in grey print.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+DASHES = ("-", "--", "-.", ":")  # for lines without markers (distributions)
 
 
 class Painter:
@@ -53,9 +55,11 @@ class Painter:
         gettext: Gettext,
         locale: str,
         lang: str,
+        requests: pd.DataFrame | None = None,
     ) -> None:
         self.experiment = experiment
         self.summary = summary
+        self.requests = requests if requests is not None else pd.DataFrame()
         self.comparisons = comparisons
         self._ = gettext
         self.locale = locale
@@ -228,6 +232,52 @@ class Painter:
         return fig
 
     # ---- figures of the whole run ------------------------------------------------------------
+    def latency_cdfs(self) -> plt.Figure:
+        """Per mode, its heaviest cell group (largest context, then most sessions): the distribution of every
+        configuration's TTFT (the mode's primary turn) and of its per-token inter-token latency."""
+        fig, grid = plt.subplots(2, max(1, len(self.experiment.modes())), squeeze=False,
+                                 figsize=(3.9 * max(1, len(self.experiment.modes())) + 1.2, 7.0))  # fmt: skip
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
+        requests = self.requests
+        for column, mode in enumerate(self.experiment.modes()):
+            ttft_ax, itl_ax = grid[0][column], grid[1][column]
+            cells = self.summary[self.summary["mode"] == mode]
+            if cells.empty or requests.empty:
+                for ax in (ttft_ax, itl_ax):
+                    ax.axis("off")
+                continue
+            context = int(cells["context"].max())
+            concurrency = int(cells.loc[cells["context"] == context, "concurrency"].max())
+            rows = requests[(requests["mode"] == mode) & (requests["context"] == context)
+                            & (requests["concurrency"] == concurrency) & (requests["phase"] == "measured")
+                            & requests["valid"].astype(bool)]  # fmt: skip
+            turn = modes.get(mode).primary.turn
+            for name, label in self.labels.items():
+                mine = rows[rows["configuration"] == name]
+                if mine.empty:
+                    continue
+                dash = DASHES[list(self.labels).index(name) % len(DASHES)]
+                style = {"color": self.colours[name], "label": label, "linewidth": 2, "linestyle": dash}
+                ttft = mine if turn is None else mine[mine["turn"] == turn]
+                sns.ecdfplot(x=ttft["ttft_s"].to_numpy(dtype=float), ax=ttft_ax, **style)
+                itl = np.concatenate([per_token_itl(t, k) for t, k in zip(mine["chunk_times_s"], mine["chunk_tokens"],
+                                      strict=True)] or [np.empty(0)])  # fmt: skip
+                if itl.size:
+                    sns.ecdfplot(x=itl * 1000, ax=itl_ax, **style)
+            sessions = self._("%(sessions)s concurrent sessions") % {"sessions": self.number(concurrency, 0)}
+            ttft_ax.set_title(f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}, "
+                              f"{sessions}", fontsize=9)  # fmt: skip
+            ttft_ax.set_xlabel(self._("TTFT (s)"))
+            itl_ax.set_xlabel(self._("inter-token latency per token (ms)"))
+            for ax in (ttft_ax, itl_ax):
+                ax.set_ylabel(self._("share of requests") if ax is ttft_ax else self._("share of tokens"))
+                ax.set_xlim(left=0)
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
+                self._axes_numbers(ax)
+        self._legend(fig, grid[0][0])
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        return fig
+
     def goodput_by_concurrency(self) -> plt.Figure:
         """Goodput (requests/s within the objectives) vs concurrency, one panel per mode with objectives and
         context, one line per configuration."""
@@ -321,7 +371,14 @@ class Painter:
         return ratio.sort_index(ascending=False)
 
 
-def draw_all(experiment: Experiment, summary_path: str, comparisons_path: str, out_dir: Path, lang: str) -> list[Path]:
+def draw_all(
+    experiment: Experiment,
+    summary_path: str,
+    comparisons_path: str,
+    out_dir: Path,
+    lang: str,
+    requests_path: str | None = None,
+) -> list[Path]:
     # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
     painter = Painter(
@@ -331,6 +388,7 @@ def draw_all(experiment: Experiment, summary_path: str, comparisons_path: str, o
         translations.gettext,
         str(locale),
         lang,
+        pd.read_parquet(requests_path) if requests_path else None,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

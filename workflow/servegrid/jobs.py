@@ -114,7 +114,14 @@ def figures(smk: Any) -> None:
     from servegrid import figures as fig
 
     def body(experiment: Experiment) -> None:
-        fig.draw_all(experiment, smk.input.summary, smk.input.comparisons, Path(smk.params.out_dir), smk.wildcards.lang)
+        fig.draw_all(
+            experiment,
+            smk.input.summary,
+            smk.input.comparisons,
+            Path(smk.params.out_dir),
+            smk.wildcards.lang,
+            requests_path=smk.input.requests,
+        )
 
     _run(smk, body)
 
