@@ -3,6 +3,7 @@ figures and the report carry every one, labels come in each report language."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -34,8 +35,10 @@ def measured(tmp_path, experiment: Experiment, skip: set[tuple[str, int]] = froz
         synthetic_cell(path, cell.configuration, "decode", cell.context, cell.concurrency, ttft_s=0.05,
                        interval_s=interval, requests=12, hit_rate=0.0, interval_spread=0.05)  # fmt: skip
         paths.append(str(path))
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross")}
-    aggregate.aggregate(experiment, paths, out["r"], out["s"], out["v"], out["c"], out["verdict"], out["cross"])
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
+    aggregate.aggregate(
+        experiment, paths, out["r"], out["s"], out["v"], out["c"], out["verdict"], out["cross"], out["prod"]
+    )
     return {k: pd.read_parquet(v) for k, v in out.items()}
 
 
@@ -75,6 +78,19 @@ def test_a_near_tie_names_no_winner_and_a_missing_configuration_is_ranked_where_
     cross = {tuple(sorted((r["leader"], r["other"]))): r for r in tables["cross"].to_dict("records")}
     assert cross[("a", "d")]["decisive_groups"] == 0 and not cross[("a", "d")]["found"]  # no clear lead
     assert cross[("c", "d")]["groups"] == 1  # only where both ran
+
+
+def test_the_production_table_covers_every_configuration_where_it_ran(demo_raw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # TPOT = the interval: a (10 ms) and d (9.8 ms) miss 6 ms, c (4 ms) and b (5 ms) meet it; c skipped 4 sessions.
+    experiment = experiment_of(demo_raw, ["a", "b", "c", "d"], **{"slo": {"decode": {"tpot_p90_ms": 6}}})
+    tables = measured(tmp_path, experiment, skip={("c", 4)})
+    production = tables["prod"].set_index("configuration")
+    assert list(production.index) == ["a", "b", "c", "d"]  # the config's order
+    assert production["sustained_concurrency"].to_dict() == pytest.approx({"a": np.nan, "b": 4, "c": 1, "d": np.nan},
+                                                                          nan_ok=True)  # fmt: skip
+    assert production.loc["c", "measured"] == "1" and production.loc["b", "winner"]
+    assert production["winner"].sum() == 1
 
 
 def test_the_lead_changes_where_the_data_says(demo_raw, tmp_path, monkeypatch):

@@ -53,6 +53,15 @@ def test_a_failed_request_meets_no_objective_and_every_objective_must_hold():
     assert slo.cell_columns(one_more, objectives({"ttft_p90_s": 0.5}), 2.0)["slo_met"] is False
 
 
+def test_a_cell_meets_a_percentile_objective_when_that_share_of_requests_is_within_it():
+    """The inverted-CDF percentile: 9 of 10 within 50 ms meets p90 ≤ 50 ms, although numpy's interpolated p90
+    (the summary's column) of these values is 64 ms."""
+    frame = requests([0.1] * 10, [0.010] * 8 + [0.049, 0.200])
+    assert np.percentile(frame["tpot_s"], 90) > 0.050
+    assert slo.cell_columns(frame, objectives({"tpot_p90_ms": 50}), 1.0)["slo_met"] is True
+    assert slo.cell_columns(frame, objectives({"tpot_p95_ms": 50}), 1.0)["slo_met"] is False
+
+
 def test_no_objectives_no_columns():
     assert set(slo.cell_columns(requests([0.1], [0.01]), (), 1.0).values()) == {None}
 
@@ -85,6 +94,16 @@ def test_the_production_table_names_the_highest_sustained_concurrency_and_the_wi
     assert table.loc["b", "goodput_rps"] == pytest.approx(3.5)
     assert np.isnan(table.loc["c", "sustained_concurrency"]) and pd.isna(table.loc["c", "goodput_rps"])
     assert list(table["winner"]) == [False, True, False]
+
+
+def test_an_invalid_cell_ends_the_run_of_levels_without_counting_as_a_failure():
+    rows = summary([("a", 1, True, 1.0), ("a", 2, True, 1.5), ("a", 4, True, 2.0)])
+    rows.loc[rows["concurrency"] == 2, "valid"] = False
+    (row,) = slo.production(rows, ["a"], ["decode"]).to_dict("records")
+    assert (row["sustained_concurrency"], row["stopped_by"], row["non_monotone"]) == (1, "invalid", False)
+    rows.loc[rows["concurrency"] == 2, ["valid", "slo_met"]] = [True, False]
+    (row,) = slo.production(rows, ["a"], ["decode"]).to_dict("records")
+    assert (row["sustained_concurrency"], row["stopped_by"], row["non_monotone"]) == (1, "objectives", True)
 
 
 def test_equal_sustained_concurrency_goes_to_the_higher_goodput_and_invalid_cells_never_count():

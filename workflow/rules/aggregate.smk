@@ -21,5 +21,7 @@ rule aggregate:
         verdict_rules=as_params(EXPERIMENT.verdict),
         validity=as_params(EXPERIMENT.validity),
         slo=canonical_json(EXPERIMENT.raw["slo"]),
+        # Pairs, ties and the production winner follow the configurations' order.
+        order=CONFIGURATIONS,
     script:
         "../scripts/aggregate.py"

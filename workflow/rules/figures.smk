@@ -15,7 +15,7 @@ rule figures:
         "../../envs/pipeline.yaml"
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
-        # Labels and roles are drawn: editing one redraws the figures (and nothing upstream).
+        # Labels, order, baseline and objectives are drawn: editing one redraws the figures (nothing upstream).
         shown=canonical_json(EXPERIMENT.figure_presentation()),
     script:
         "../scripts/figures.py"

@@ -213,6 +213,8 @@ class Experiment:
             "configuration_order": list(self.configurations),
             "baseline": self.baseline(),
             "modes": self.modes(),
+            # Which figures exist and which panels the goodput figure has.
+            "slo": self.raw["slo"],
         }
 
     def presentation(self) -> dict[str, Any]:
@@ -232,6 +234,7 @@ class Experiment:
             # The report lists configurations in the config's order; the mapping above may be stored sorted.
             "configuration_order": list(self.configurations),
             "baseline": self.baseline(),
+            "slo": self.raw["slo"],  # the objectives the production section prints
             "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
             "min_factor": self.verdict.min_factor,
             "client_cpus": list(self.operations.client_cpus),

@@ -7,6 +7,9 @@ own format. Each figure is written as PNG (for the HTML report) and SVG
 (vector, for the PDF). Which figures exist is decided in
 :mod:`servegrid.figure_list` (each mode declares its own); a figure's
 ``kind`` names the :class:`Painter` method that draws it.
+
+It runs over 300 lines: one Painter draws every kind of figure, so that
+colours, markers, number formats and legends are decided in one place.
 """
 
 from __future__ import annotations
@@ -109,9 +112,14 @@ class Painter:
             ax.scatter(invalid["concurrency"], invalid["primary_p50"], marker="x", s=90, color="black", zorder=5)
 
     def _legend(self, fig: plt.Figure, ax: plt.Axes) -> None:
-        handles, labels = ax.get_legend_handles_labels()
-        if handles:
-            fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), frameon=False)
+        """One legend for the figure, from every panel (a configuration missing from the first one is
+        still named), each label once."""
+        seen: dict[str, object] = {}
+        for axis in fig.axes:
+            for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+                seen.setdefault(label, handle)
+        if seen:
+            fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(3, len(seen)), frameon=False)
 
     def _panels(self, n: int, height: float = 3.6) -> tuple[plt.Figure, list[plt.Axes]]:
         sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
@@ -180,7 +188,7 @@ class Painter:
         axes = list(grid.flat)
         for ax, name in zip(axes, names, strict=False):
             rows_all = data[data["configuration"] == name]
-            for shade, context in zip(shades, contexts, strict=True):
+            for shade, context in zip(shades, contexts, strict=False):
                 rows = rows_all[rows_all["context"] == context]
                 if len(rows):
                     self._line(ax, rows, self._context_title(mode, int(context)), shade, self.markers[name])
@@ -194,6 +202,12 @@ class Painter:
             self._concurrency_axis(ax, sorted(int(c) for c in data["concurrency"].unique()))
             ax.set_ylabel(self._(modes.get(mode).primary.axis_label))
             ax.set_ylim(bottom=0)
+            # Zoomed to the points that did not run into the KV capacity: one such corner would flatten the
+            # rest (a flat curve must show as flat); the clipped points keep their red circle at the edge.
+            free = rows_all[~rows_all["kv_limited"].astype(bool)]
+            top = free["primary_ci_high"].fillna(free["primary_p50"]).max() if len(free) else np.nan
+            if not np.isnan(top) and top > 0:
+                ax.set_ylim(0, float(top) * 1.25)
             self._axes_numbers(ax)
         for ax in axes[len(names) :]:
             ax.axis("off")
@@ -235,9 +249,9 @@ class Painter:
     def latency_cdfs(self) -> plt.Figure:
         """Per mode, its heaviest cell group (largest context, then most sessions): the distribution of every
         configuration's TTFT (the mode's primary turn) and of its per-token inter-token latency."""
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
         fig, grid = plt.subplots(2, max(1, len(self.experiment.modes())), squeeze=False,
                                  figsize=(3.9 * max(1, len(self.experiment.modes())) + 1.2, 7.0))  # fmt: skip
-        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
         requests = self.requests
         for column, mode in enumerate(self.experiment.modes()):
             ttft_ax, itl_ax = grid[0][column], grid[1][column]
@@ -246,6 +260,8 @@ class Painter:
                 for ax in (ttft_ax, itl_ax):
                     ax.axis("off")
                 continue
+            valid_cells = cells[cells["valid"].astype(bool)]
+            cells = valid_cells if len(valid_cells) else cells  # the heaviest load measured validly, if any
             context = int(cells["context"].max())
             concurrency = int(cells.loc[cells["context"] == context, "concurrency"].max())
             rows = requests[(requests["mode"] == mode) & (requests["context"] == context)

@@ -4,7 +4,9 @@ An objective is a percentile limit on one per-request latency, written as the co
 (``tpot_p90_ms: 50``: the 90th percentile of TPOT at most 50 ms). A request *meets* the objectives
 when every one of its latencies is within its limit (a failed request meets none); a cell *meets* them
 when, for each objective, at least its percentile's share of the cell's measured requests is within
-its limit (``p90``: 90% of them), which is the percentile being within the limit. Goodput is the requests that
+its limit (``p90``: 90% of them): the percentile in the inverted-CDF sense. (The summary's ``*_p90``
+columns interpolate linearly between requests, so on a small cell they can lie above a limit that
+the cell meets by this rule.) Goodput is the requests that
 met every objective per second of the measured phase, as AIPerf and inference-perf define it.
 """
 
@@ -40,9 +42,9 @@ def cell_columns(requests: pd.DataFrame, goals: tuple[Objective, ...], duration_
     met = met_by_request(requests, goals)
     n, k = len(met), int(met.sum())
     interval = scipy_stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
-    # Each objective holds when at least its percentile's share of the requests is within its limit
-    # (p90: 90% of them): the percentile itself without interpolating across a failed request.
-    cell_met = all(met_by_request(requests, (goal,)).mean() >= goal.percentile / 100 for goal in goals)
+    # Each objective holds when at least its percentile's share of the requests is within its limit (p90: 90% of
+    # them): the percentile in the inverted-CDF sense, never interpolated across a failed request.
+    cell_met = all(int(met_by_request(requests, (goal,)).sum()) * 100 >= goal.percentile * n for goal in goals)
     return {
         "slo_met": cell_met,
         "slo_attainment": k / n,
@@ -52,8 +54,8 @@ def cell_columns(requests: pd.DataFrame, goals: tuple[Objective, ...], duration_
     }
 
 
-PRODUCTION_COLUMNS = ["mode", "context", "configuration", "sustained_concurrency", "measured", "met",
-                      "non_monotone", "goodput_rps", "winner"]  # fmt: skip
+PRODUCTION_COLUMNS = ["mode", "context", "configuration", "sustained_concurrency", "stopped_by", "measured",
+                      "met", "non_monotone", "goodput_rps", "winner"]  # fmt: skip
 
 
 def production(summary: pd.DataFrame, order: list[str], modes_with_slo: list[str]) -> pd.DataFrame:
@@ -83,10 +85,14 @@ def production(summary: pd.DataFrame, order: list[str], modes_with_slo: list[str
 def _sustained(mode: str, context: int, name: str, cells: pd.DataFrame) -> dict[str, Any]:
     cells = cells.sort_values("concurrency")
     levels = [int(c) for c in cells["concurrency"]]
-    meets = [bool(r["valid"]) and r["slo_met"] is True for r in cells.to_dict("records")]
+    records = cells.to_dict("records")
+    valid = [bool(r["valid"]) for r in records]
+    meets = [ok and r["slo_met"] is True for ok, r in zip(valid, records, strict=True)]
     held = 0  # how many of the lowest levels meet the objectives, without a gap
     while held < len(meets) and meets[held]:
         held += 1
+    # What ends the run of levels: a cell that fails the objectives, or one that cannot be judged (invalid).
+    stopped_by = None if held == len(meets) else ("objectives" if valid[held] else "invalid")
     sustained = levels[held - 1] if held else None
     goodput = cells["goodput_rps"].iloc[held - 1] if held else None
     return {
@@ -94,10 +100,11 @@ def _sustained(mode: str, context: int, name: str, cells: pd.DataFrame) -> dict[
         "context": context,
         "configuration": name,
         "sustained_concurrency": sustained,
+        "stopped_by": stopped_by,
         "measured": ",".join(map(str, levels)),
         "met": ",".join(str(level) for level, ok in zip(levels, meets, strict=True) if ok),
         # It meets them again above a level where it failed: noise, or a regime worth a look.
-        "non_monotone": any(meets[held + 1 :]),
+        "non_monotone": stopped_by == "objectives" and any(meets[held + 1 :]),
         "goodput_rps": None if goodput is None or pd.isna(goodput) else float(goodput),
         "winner": False,
     }
