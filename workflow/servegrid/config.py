@@ -228,7 +228,8 @@ class Experiment:
             "engine": self.engine.kind,
             "engine_args": redact.argv(self.engine.args),
             "configurations": {
-                name: {"label": c.label, "flags": redact.argv(self.configuration_flags(name)), "gpus": list(c.gpus)}
+                # Not its GPUs: placement is shown from what each server recorded, and reruns nothing.
+                name: {"label": c.label, "flags": redact.argv(self.configuration_flags(name))}
                 for name, c in self.configurations.items()
             },
             # The report lists configurations in the config's order; the mapping above may be stored sorted.

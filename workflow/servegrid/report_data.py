@@ -188,7 +188,6 @@ class ReportData:
                     "prefix_caching": conf.prefix_caching,
                     "speculative": canonical_json(conf.speculative) if conf.speculative else None,
                     "flags": " ".join(redact.argv(self.experiment.configuration_flags(name))),
-                    "gpus": list(conf.gpus),
                     "server": latest,
                     "sessions": len(sessions),
                 }
