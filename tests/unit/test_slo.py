@@ -110,6 +110,8 @@ def test_equal_sustained_concurrency_goes_to_the_higher_goodput_and_invalid_cell
     rows = summary([("a", 1, True, 1.0), ("a", 2, True, 1.5), ("b", 1, True, 1.0), ("b", 2, True, 1.8)])
     table = slo.production(rows, ["a", "b"], ["decode"]).set_index("configuration")
     assert table.loc["b", "winner"] and not table.loc["a", "winner"]
+    close = summary([("a", 1, True, 1.0), ("a", 2, True, 1.76), ("b", 1, True, 1.0), ("b", 2, True, 1.8)])
+    assert slo.production(close, ["a", "b"], ["decode"])["winner"].tolist() == [True, True]  # within 5%: a tie
     rows.loc[(rows["configuration"] == "b") & (rows["concurrency"] == 2), "valid"] = False
     table = slo.production(rows, ["a", "b"], ["decode"]).set_index("configuration")
     assert table.loc["a", "winner"] and table.loc["b", "sustained_concurrency"] == 1

@@ -328,7 +328,7 @@ def aggregate(
     if crossovers_out:
         outputs.append((verdict.crossovers(verdict.duels(summary, derived, order), order, rules), crossovers_out))
     if production_out:
-        outputs.append((slo.production(summary, order, list(experiment.slo)), production_out))
+        outputs.append((slo.production(summary, order, list(experiment.slo), rules.min_factor), production_out))
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
             frame.to_parquet(tmp, index=False)

@@ -89,11 +89,24 @@ class ReportData:
                     {
                         "context": int(context),
                         "cells": {r["configuration"]: r for r in at},
-                        "winner_label": self.label(winners[0]) if winners else None,
+                        # Goodputs within verdict.min_factor of each other: a tie, every one named.
+                        "winner_label": " ≈ ".join(self.label(w) for w in winners) if winners else None,
                     }
                 )
             sections.append({"mode": modes.get(name), "objectives": self.objectives_text(goals), "rows": rows})
         return sections
+
+    def production_leaders(self) -> list[dict[str, Any]]:
+        """Who wins the production table most often: per configuration, the mode × context rows it wins
+        (ties count for each), most first; with how many rows there are."""
+        table = self.production
+        if table.empty:
+            return []
+        rows = table.groupby(["mode", "context"]).ngroups
+        wins = table[table["winner"].astype(bool)].groupby("configuration").size()
+        order = list(self.experiment.configurations)
+        ranked = sorted(wins.items(), key=lambda item: (-item[1], order.index(item[0])))
+        return [{"label": self.label(name), "wins": int(count), "rows": rows} for name, count in ranked]
 
     def objectives_text(self, goals: Any) -> str:
         """``TPOT p90 ≤ 50 ms; TTFT p99 ≤ 2 s`` in the locale's number format."""

@@ -58,10 +58,13 @@ PRODUCTION_COLUMNS = ["mode", "context", "configuration", "sustained_concurrency
                       "met", "non_monotone", "goodput_rps", "winner"]  # fmt: skip
 
 
-def production(summary: pd.DataFrame, order: list[str], modes_with_slo: list[str]) -> pd.DataFrame:
+def production(
+    summary: pd.DataFrame, order: list[str], modes_with_slo: list[str], min_factor: float = 1.05
+) -> pd.DataFrame:
     """Per mode with objectives, context and configuration: the highest concurrency it sustains within
     them (every measured concurrency up to it meets them, valid cells only; None: nowhere), and per
-    mode and context the winner: the highest sustained concurrency, then the higher goodput there."""
+    mode and context the winner: the highest sustained concurrency, then the higher goodput there.
+    Goodputs within ``min_factor`` of the best (verdict.min_factor) are a tie: each is marked a winner."""
     rows: list[dict[str, Any]] = []
     if summary.empty:
         return pd.DataFrame(rows, columns=PRODUCTION_COLUMNS)
@@ -76,8 +79,11 @@ def production(summary: pd.DataFrame, order: list[str], modes_with_slo: list[str
             ]
             contenders = [r for r in group if r["sustained_concurrency"] is not None]
             if contenders:
-                best = max(contenders, key=lambda r: (r["sustained_concurrency"], r["goodput_rps"] or 0.0))
-                best["winner"] = True
+                most = max(r["sustained_concurrency"] for r in contenders)
+                top = [r for r in contenders if r["sustained_concurrency"] == most]
+                best = max(r["goodput_rps"] or 0.0 for r in top)
+                for r in top:
+                    r["winner"] = (r["goodput_rps"] or 0.0) * min_factor >= best
             rows += group
     return pd.DataFrame(rows, columns=PRODUCTION_COLUMNS)
 
