@@ -96,6 +96,16 @@ class ReportData:
             sections.append({"mode": modes.get(name), "objectives": self.objectives_text(goals), "rows": rows})
         return sections
 
+    def production_marks(self) -> dict[str, bool]:
+        """Which footnotes the production tables need: a level met again after a failure, an invalid cell."""
+        table = self.production
+        if table.empty:
+            return {"non_monotone": False, "invalid": False}
+        return {
+            "non_monotone": bool(table["non_monotone"].astype(bool).any()),
+            "invalid": bool((table["stopped_by"] == "invalid").any()),
+        }
+
     def production_leaders(self) -> list[dict[str, Any]]:
         """Who wins the production table most often: per configuration, the mode × context rows it wins
         (ties count for each), most first; with how many rows there are."""
