@@ -93,6 +93,19 @@ def test_the_production_table_covers_every_configuration_where_it_ran(demo_raw, 
     assert production["winner"].sum() == 1
 
 
+def test_two_configurations_tied_in_the_lead_share_the_verdict(demo_raw, tmp_path, monkeypatch):
+    """b and d are within 2% of each other, both twice as fast as a: no single winner, a shared lead."""
+    monkeypatch.chdir(tmp_path)
+    tables = measured(tmp_path, experiment_of(demo_raw, ["a", "b", "d"]), d1=0.0051, d4=0.0051)
+    for _, group in tables["c"].iterrows():
+        assert sorted(group["leaders"].split(",")) == ["b", "d"]
+        assert bool(group["tie"]) or group["factor"] < 1.05  # why d is among the leaders
+        assert group["lead_factor"] == pytest.approx(0.010 / 0.0051, rel=0.08) and group["lead_ci_low"] > 1
+    decode = tables["verdict"].set_index("class_id").loc["decode"]
+    assert decode["outcome"] == "shared" and sorted(decode["winner"].split(",")) == ["b", "d"]
+    assert decode["wins"] == 2 and decode["factor_min"] == pytest.approx(1.96, rel=0.08)
+
+
 def test_the_lead_changes_where_the_data_says(demo_raw, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # b leads at 1 session; a is twice as fast at 4 (its interval halves there).

@@ -315,7 +315,7 @@ def aggregate(
     df, metas = load_cells(cell_paths)
     derived = derive(df) if len(df) else df
     summary = summarize(derived, metas, experiment)
-    comparisons = verdict.compare(summary, derived)
+    comparisons = verdict.compare(summary, derived, experiment.verdict.min_factor)
     rules, order = experiment.verdict, list(experiment.configurations)
     outputs = [
         (derived, requests_out),

@@ -40,9 +40,6 @@ def check(experiment: Experiment) -> None:
                 "(add report/locales/<language>/LC_MESSAGES/messages.po)"
             )
         _languages_covered(experiment)
-        for mode in experiment.slo:
-            if mode not in experiment.workloads:
-                raise ConfigError(f"slo.{mode}: objectives for a workload mode that is not enabled")
         baseline = experiment.report_baseline
         if baseline is not None and baseline not in experiment.configurations:
             raise ConfigError(

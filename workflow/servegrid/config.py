@@ -99,8 +99,11 @@ class Experiment:
         self.verdict = VerdictRules.from_config(r["verdict"])
         self.languages: list[str] = list(r["report"]["languages"])
         self.report_baseline: str | None = r["report"]["baseline"]
-        # Service-level objectives per mode (servegrid.slo); a mode without any has no production row.
-        self.slo: dict[str, tuple[Objective, ...]] = {m: objectives(o) for m, o in r["slo"].items()}
+        # Service-level objectives per enabled mode (servegrid.slo); a mode without any has no production row.
+        # A disabled mode keeps its objectives for when it is enabled again (the schema names only real modes).
+        self.slo: dict[str, tuple[Objective, ...]] = {
+            m: objectives(o) for m, o in r["slo"].items() if m in self.workloads
+        }
         checks.check(self)
 
     @classmethod

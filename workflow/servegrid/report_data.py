@@ -59,10 +59,14 @@ class ReportData:
     def verdict_classes(self) -> list[dict[str, Any]]:
         """The verdict table: classes that have data, each with its winner's label."""
         return [
-            row | {"winner_label": self.label(row["winner"])}
+            row | {"winner_label": self.labels(row["winner"])}
             for row in self.records(self.verdict)
             if row["outcome"] != "no_data"
         ]
+
+    def labels(self, names: str | None) -> str:
+        """Comma-joined configurations (a shared lead) as their labels joined by ≈; one name: its label."""
+        return " ≈ ".join(self.label(n) for n in (names or "").split(",") if n)
 
     def crossover_rows(self) -> list[dict[str, Any]]:
         """Per mode and pair: where the lead changes, with both labels."""

@@ -69,9 +69,14 @@ def _duel(
     }
 
 
-def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+def compare(summary: pd.DataFrame, requests: pd.DataFrame, min_factor: float = 1.05) -> pd.DataFrame:
     """One row per cell group with at least two valid configurations: all of them ranked on the primary
-    p50, the winner, and its factor over the runner-up with that factor's 95% interval."""
+    p50, the winner, and its factor over the runner-up with that factor's 95% interval.
+
+    With more than two configurations the winner may be tied with others (a runner-up it does not beat
+    decisively) while these together are clearly ahead of the rest: the *leaders* are the winner and
+    every next-ranked configuration it does not beat decisively, and ``lead_*`` is how far the last of
+    them is ahead of the first configuration outside (none: every configuration leads)."""
     rows = []
     if summary.empty:
         return pd.DataFrame()
@@ -83,6 +88,16 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
         # A stable sort: equal p50s keep the config's order.
         ranked = candidates.sort_values("primary_p50", ascending=not higher, kind="stable")
         duel = _duel(requests, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[1])
+        leaders = 1
+        while leaders < len(ranked):
+            behind = _duel(requests, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[leaders])
+            if behind["tie"] or behind["factor"] < min_factor:
+                leaders += 1
+            else:
+                break
+        lead = None
+        if leaders < len(ranked):
+            lead = _duel(requests, mode, int(context), int(concurrency), ranked.iloc[leaders - 1], ranked.iloc[leaders])
         rows.append(
             {
                 "mode": mode,
@@ -92,6 +107,11 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
                 **duel,
                 "ranking": ",".join(ranked["configuration"]),
                 "n_configurations": len(ranked),
+                "leaders": ",".join(ranked["configuration"].iloc[:leaders]),
+                "lead_factor": lead["factor"] if lead else None,
+                "lead_ci_low": lead["factor_ci_low"] if lead else None,
+                "lead_ci_high": lead["factor_ci_high"] if lead else None,
+                "lead_kv_limited": bool(lead["kv_limited"]) if lead else None,
             }
         )
     return pd.DataFrame(rows)
@@ -105,13 +125,24 @@ def decisive(group: dict[str, Any], rules: VerdictRules) -> bool:
     return not group["kv_limited"] and not group["tie"] and group["factor"] >= rules.min_factor
 
 
+def shared_lead(group: dict[str, Any], rules: VerdictRules) -> bool:
+    """A group whose winner ties with others, while these leaders are decisively ahead of the rest."""
+    leaders = str(group.get("leaders") or "")
+    factor, low = group.get("lead_factor"), group.get("lead_ci_low")
+    if "," not in leaders or stats.missing(factor) or group.get("lead_kv_limited") or group["kv_limited"]:
+        return False
+    return bool(factor >= rules.min_factor and not stats.missing(low) and low > 1.0)
+
+
 def classify(comparisons: pd.DataFrame, rules: VerdictRules) -> pd.DataFrame:
     """One row per workload class: its outcome, winner and the range of factors it won by.
 
     Each group goes to the first class whose rule matches it. Outcomes:
     ``win`` (one configuration wins every decisive group), ``mixed`` (it wins
-    most of them), ``tie`` (no decisive group), ``kv_limit`` (every group hit
-    the KV capacity: neither wins), ``no_data``.
+    most of them), ``shared`` (no group has a single decisive winner, but a set
+    of configurations leads the rest decisively: ``winner`` names the set),
+    ``tie`` (no decisive group), ``kv_limit`` (every group hit the KV capacity:
+    neither wins), ``no_data``.
     """
     groups = comparisons.to_dict("records") if len(comparisons) else []
     assigned: dict[str, list[dict[str, Any]]] = {rule.id: [] for rule in rules.classes}
@@ -140,9 +171,12 @@ def classify(comparisons: pd.DataFrame, rules: VerdictRules) -> pd.DataFrame:
             "min_concurrency": min((g["concurrency"] for g in members), default=None),
         }
         wins = [g for g in members if decisive(g, rules)]
+        shared = [g for g in members if not decisive(g, rules) and shared_lead(g, rules)]
         row["n_decisive"] = len(wins)
         if members and all(g["kv_limited"] for g in members):
             row["outcome"] = "kv_limit"
+        elif members and not wins and shared:
+            row.update(_shared_outcome(shared, rules))
         elif members and not wins:
             row["outcome"] = "tie"
         elif wins:
@@ -165,6 +199,30 @@ def classify(comparisons: pd.DataFrame, rules: VerdictRules) -> pd.DataFrame:
             )
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _shared_outcome(shared: list[dict[str, Any]], rules: VerdictRules) -> dict[str, Any]:
+    """No single configuration wins a group of the class, but a set of them leads together: ``shared``,
+    the set most often in the lead (comma-joined, in rank order of its first group) and how far ahead."""
+    counts: dict[str, int] = {}
+    for g in shared:
+        key = ",".join(sorted(g["leaders"].split(",")))
+        counts[key] = counts.get(key, 0) + 1
+    key = max(counts, key=lambda k: (counts[k], -list(counts).index(k)))
+    won = [g for g in shared if ",".join(sorted(g["leaders"].split(","))) == key]
+    lowest = min(won, key=lambda g: g["lead_factor"])
+    highest = max(won, key=lambda g: g["lead_factor"])
+    return {
+        "outcome": "shared",
+        "winner": won[0]["leaders"],
+        "wins": counts[key],
+        "n_decisive": len(shared),
+        "factor_min": float(lowest["lead_factor"]),
+        "factor_max": float(highest["lead_factor"]),
+        "factor_min_ci_low": _none_if_nan(lowest.get("lead_ci_low")),
+        "factor_max_ci_high": _none_if_nan(highest.get("lead_ci_high")),
+        "range_style": "up_to" if highest["lead_factor"] / lowest["lead_factor"] > rules.range_style_ratio else "range",
+    }
 
 
 def duels(summary: pd.DataFrame, requests: pd.DataFrame, order: list[str]) -> pd.DataFrame:
