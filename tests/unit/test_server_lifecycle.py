@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -405,9 +406,11 @@ def test_a_server_that_exited_while_its_supervisor_winds_down_is_replaced(sandbo
     """The server gone, its supervisor not yet: the next cell waits it out instead of failing on its claims."""
     first = server.ensure(fake_spec("fake"), sandbox, owner=None)
     record = _record(sandbox, "fake")
+    engine = int(re.search(r"engine child pid (\d+)", Path(record["log_path"]).read_text())[1])
     os.kill(record["server"]["pid"], signal.SIGKILL)  # its engine child lives on: the supervisor must clean up
     second = server.ensure(fake_spec("fake"), sandbox, owner=None)
     assert second.session != first.session
+    assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
 
 
 def test_an_engine_that_renamed_itself_is_stopped_when_its_server_is_killed(sandbox):
