@@ -50,8 +50,8 @@ FAULTS: dict[str, Fault] = {
     ),
     "supervisor-killed": Fault(
         "the server's supervisor SIGKILLed",
-        "the server gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`) and takes its engine down; the cell "
-        "fails naming the lost server",
+        "the server gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`) and takes its engine down; the cell job "
+        "sees its supervisor gone and stops at once; the teardown ends what is left",
         "measures the cell on a new server",
     ),
     "snakemake-sigint": Fault(

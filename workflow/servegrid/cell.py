@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
-from servegrid import engines, hostinfo, metrics, modes, procs, records, server
+from servegrid import engines, hostinfo, metrics, modes, procs, records, server, state
 from servegrid.client import Streamer, streaming_session
 from servegrid.client_monitor import ClientMonitor, CollectorPause, StallGuard, stall_limit_s, warmup_stall_limit_s
 from servegrid.config import Cell, Experiment, Operations
@@ -198,6 +198,24 @@ def _stop_orphaned_cell(cell: Cell, owner: procs.ProcessRef) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _supervisor_of(runtime: server.Runtime, configuration: str, session: str) -> procs.ProcessRef | None:
+    record = state.read(state.record_path(runtime, configuration))
+    if not record or record.get("session") != session:
+        return None
+    return procs.ProcessRef.from_dict(record.get("supervisor"))
+
+
+def _stop_unsupervised_cell(cell: Cell, supervisor: procs.ProcessRef, session: str) -> None:
+    # Killed, its server got SIGTERM from the kernel and stops its engine, but the API server then waits
+    # for this cell's open streams to close (seen with vLLM 0.32): stop now, and let the teardown
+    # (Snakemake's onerror, or the next cell's ensure) finish the server by its recorded processes.
+    log.error(
+        "cell %s: the supervisor (pid %d) of server session %s is gone, so the server is going down; stopping",
+        cell.id, supervisor.pid, session,
+    )  # fmt: skip
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _run_cell(
     experiment: Experiment,
     cell: Cell,
@@ -225,6 +243,12 @@ def _run_cell(
             # engine's busy threads do not delay the client's timestamps.
             os.sched_setaffinity(0, client_cpus)
         log.info("cell %s on %s (session %s)", cell.id, facts.url, facts.session)
+        supervisor = _supervisor_of(runtime, cell.configuration, facts.session)
+        watching_supervisor = (
+            procs.watch(supervisor, lambda: _stop_unsupervised_cell(cell, supervisor, facts.session))
+            if supervisor is not None
+            else None
+        )
         try:
             headers = server.auth_headers(spec)
             request_records, measured = run_loop(
@@ -242,6 +266,9 @@ def _run_cell(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
                 f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
             ) from exc
+        finally:
+            if watching_supervisor is not None:
+                watching_supervisor.set()
     measured_records = [r for r in request_records if r.phase == "measured"]
     if measured_records and all(r.error for r in measured_records):
         # Nothing was measured: no file, so the cell stays stale and the failure is seen.
