@@ -204,8 +204,8 @@ def test_a_template_change_rebuilds_only_the_report(pipeline_run, baseline):
 def test_editing_a_label_redraws_exactly_the_figures_and_reports(pipeline_run, baseline):
     workdir, _ = pipeline_run
     raw = copy.deepcopy(baseline)
-    old = raw["configurations"]["ngram"]["label"]
-    raw["configurations"]["ngram"]["label"] = "ngram, relabelled"
+    old = raw["configurations"]["ngram"]["label"]["pt"]  # the demo gives one label per report language
+    raw["configurations"]["ngram"]["label"] = "ngram, relabelled"  # one for every language
     counts, cells = plan(workdir, raw)
     assert cells == set()
     assert counts == {"figures": 2, "report_document": 2, "report": 1}

@@ -170,7 +170,9 @@ def test_calibration_server_keeps_its_script_and_says_how_late_it_was(calibratio
     for record in records:
         assert record.chunk_tokens == [2] * 5
         gaps = [(b - a) / 1e6 for a, b in zip(record.chunk_server_ns, record.chunk_server_ns[1:], strict=False)]
-        assert all(7 <= g <= 40 for g in gaps), gaps  # 10 ms ± 2 ms jitter, written on schedule
+        # 10 ms ± 2 ms jitter, on an absolute schedule: one late write shortens the next gap (a busy host
+        # delays single writes), but on average the events keep the script's pace.
+        assert all(0 < g <= 40 for g in gaps) and 8 <= sum(gaps) / len(gaps) <= 12.5, gaps
 
 
 def test_streams_leave_no_read_stamps_behind(calibration):
