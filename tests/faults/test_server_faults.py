@@ -178,10 +178,11 @@ def test_supervisor_killed_takes_the_server_with_it(workdir, matrix):
     proc = start(workdir, long_cell())
     wait_measuring(workdir)
     record = server_record(workdir)
+    # Looked up before the kill: vLLM may have stopped its engine a moment after it.
+    server_tree = [psutil.Process(record["server"]["pid"]), engine_core(record)]
     os.kill(record["supervisor"]["pid"], signal.SIGKILL)
     killed = time.monotonic()
     # PR_SET_PDEATHSIG: the kernel sends the API server SIGTERM; vLLM shuts its engine down itself.
-    server_tree = [psutil.Process(record["server"]["pid"]), engine_core(record)]
     assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in server_tree), 60)
     gone_after = time.monotonic() - killed
     proc.wait(timeout=300)
