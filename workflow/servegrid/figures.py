@@ -121,6 +121,15 @@ class Painter:
         if seen:
             fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(3, len(seen)), frameon=False)
 
+    @staticmethod
+    def _wrapped(n: int) -> tuple[plt.Figure, list[plt.Axes], int]:
+        """``n`` panels, three to a row: the figure, its axes in reading order, and how many rows."""
+        columns = max(1, min(3, n))
+        rows = max(1, -(-n // columns))
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
+        fig, grid = plt.subplots(rows, columns, figsize=(3.9 * columns + 1.2, 3.4 * rows + 0.6), squeeze=False)
+        return fig, list(grid.flat), rows
+
     def _panels(self, n: int, height: float = 3.6) -> tuple[plt.Figure, list[plt.Axes]]:
         sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
         fig, axes = plt.subplots(1, n, figsize=(max(6.0, 3.9 * n + 1.2), height), squeeze=False)
@@ -181,11 +190,7 @@ class Painter:
         names = [n for n in self.labels if (data["configuration"] == n).any()] or list(self.labels)[:1]
         contexts = sorted(data["context"].unique())
         shades = sns.color_palette("crest", max(1, len(contexts)))
-        columns = min(3, len(names))
-        rows_n = -(-len(names) // columns)
-        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
-        fig, grid = plt.subplots(rows_n, columns, figsize=(3.9 * columns + 1.2, 3.4 * rows_n + 0.6), squeeze=False)
-        axes = list(grid.flat)
+        fig, axes, rows_n = self._wrapped(len(names))
         for ax, name in zip(axes, names, strict=False):
             rows_all = data[data["configuration"] == name]
             for shade, context in zip(shades, contexts, strict=False):
@@ -303,11 +308,7 @@ class Painter:
             if mode in self.experiment.slo
             for context in sorted(self.summary.loc[self.summary["mode"] == mode, "context"].unique())
         ]
-        columns = max(1, min(3, len(panels)))
-        rows_n = max(1, -(-len(panels) // columns))
-        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
-        fig, grid = plt.subplots(rows_n, columns, figsize=(3.9 * columns + 1.2, 3.4 * rows_n + 0.6), squeeze=False)
-        axes = list(grid.flat)
+        fig, axes, rows_n = self._wrapped(len(panels))
         for ax, (mode, context) in zip(axes, panels, strict=False):
             cells = self.summary[(self.summary["mode"] == mode) & (self.summary["context"] == context)]
             for name, label in self.labels.items():

@@ -430,8 +430,7 @@ def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[
         latest = record  # the supervisor may have added members since ``record`` was read
     if pgid and (state.server_processes(latest) or ours(server)):
         # Supervisor missing or too slow: do its job.
-        known = [procs.ProcessRef(int(m["pid"]), float(m["create_time"])) for m in latest.get("members") or []]
-        known += procs.tree(server.pid) if server and ours(server) else []
+        known = state.recorded_members(latest) + (procs.tree(server.pid) if server and ours(server) else [])
         procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, session=session, known=known)
     leftovers = state.server_processes(latest) if pgid else []
     outcome["left_running"] = [p.pid for p in leftovers]

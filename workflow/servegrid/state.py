@@ -176,15 +176,19 @@ def supervised(record: dict[str, Any]) -> bool:
     return live(record) and bool(supervisor and supervisor.alive())
 
 
+def recorded_members(record: dict[str, Any]) -> list[procs.ProcessRef]:
+    """The server's processes its supervisor recorded by pid and start time (live or not)."""
+    return [ref for m in record.get("members") or [] if (ref := procs.ProcessRef.from_dict(m)) is not None]
+
+
 def server_processes(record: dict[str, Any]) -> list[psutil.Process]:
     """The live processes of ``record``'s server: members of its group that carry its session, and the
     processes its supervisor recorded by pid and start time (procs.terminate_group says why both)."""
     pgid, session = record.get("pgid"), record.get("session")
     found = {p.pid: p for p in (procs.group_members(pgid, session) if pgid and session else [])}
-    for member in record.get("members") or []:
-        ref = procs.ProcessRef.from_dict(member)
+    for ref in recorded_members(record):
         with contextlib.suppress(psutil.Error):
-            if ref is not None and ref.alive():
+            if ref.alive():
                 found[ref.pid] = psutil.Process(ref.pid)
     return list(found.values())
 
