@@ -255,7 +255,10 @@ def _run_cell(
                 measure(settings, engine, facts.url, spec["served_name"], experiment.operations, headers)
             )
         except CellStalled as exc:
-            # Hung: the next cell must not get it. The lease is this cell's, so stop it here.
+            # Hung: the next cell must not get it. The lease is this cell's, so stop it here (no longer
+            # watching its supervisor, which this stop ends).
+            if watching_supervisor is not None:
+                watching_supervisor.set()
             server.discard(cell.configuration, runtime, reason=f"cell {cell.id} stalled")
             raise CellStalled(
                 f"cell {cell.id}: {exc}\n"
