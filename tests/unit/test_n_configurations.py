@@ -8,12 +8,12 @@ import pandas as pd
 import pytest
 
 from helpers import synthetic_cell, with_changes
-from servegrid import aggregate, figure_list, figures
+from servegrid import aggregate, figure_list, figures, modes
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
 
 # Decode tokens/s per session follow from the interval between tokens: smaller is faster.
-INTERVALS = {"a": 0.010, "b": 0.005, "c": 0.004, "d": 0.0098, "e": 0.020}
+INTERVALS = {"a": 0.010, "b": 0.005, "c": 0.004, "d": 0.0098, "e": 0.020, "f": 0.006, "g": 0.007, "h": 0.008}
 
 
 def experiment_of(demo_raw, names: list[str], **changes) -> Experiment:  # type: ignore[no-untyped-def]
@@ -124,6 +124,70 @@ def test_figures_render_for_one_and_for_five_configurations(demo_raw, tmp_path, 
                                tmp_path / "figures", "pt", requests_path=str(tmp_path / "r.parquet"))  # fmt: skip
     assert len(written) == len(figure_list.figure_paths(experiment, "x"))
     assert all(path.stat().st_size > 5_000 for path in written)
+
+
+def test_multi_turn_figures_draw_each_of_five_configurations_with_its_own_line_and_legend(
+    demo_raw, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    names = ["a", "b", "c", "d", "e"]
+    raw = with_changes(demo_raw)
+    raw["configurations"] = {n: {**demo_raw["configurations"]["prefix_cache"], "label": f"config {n}"} for n in names}
+    raw["workloads"] = {"multi_turn": {**demo_raw["workloads"]["multi_turn"], "contexts": [1024, 2048],
+                                       "concurrency": [1, 4]}}  # fmt: skip
+    experiment = Experiment(raw)
+    paths = []
+    for cell in experiment.cells():
+        path = tmp_path / cell.path
+        synthetic_cell(path, cell.configuration, "multi_turn", cell.context, cell.concurrency, turns=3,
+                       ttft_s=0.1 * (1 + names.index(cell.configuration)), interval_s=0.005, hit_rate=0.7)  # fmt: skip
+        paths.append(str(path))
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
+    aggregate.aggregate(experiment, paths, *out.values())
+    painter = figures.Painter(experiment, pd.read_parquet(out["s"]), pd.read_parquet(out["c"]), str, "pt", "pt",
+                              pd.read_parquet(out["r"]))  # fmt: skip
+    labels = [f"config {n}" for n in names]
+    for spec in modes.get("multi_turn").figures:
+        fig = painter.draw("multi_turn", spec)
+        drawn = [ax for ax in fig.axes if ax.axison]
+        (legend,) = fig.legends
+        if spec.kind == "primary_by_concurrency":  # one panel per context, one line per configuration
+            assert len(drawn) == 2
+            assert all(sorted(line.get_label() for line in ax.get_lines()) == labels for ax in drawn)
+            assert [t.get_text() for t in legend.get_texts()] == labels
+        else:  # each configuration alone in its panel (3 to a row: 2 rows, one panel left blank)
+            assert spec.kind == "each_configuration_by_context"
+            assert [ax.get_title() for ax in drawn] == labels and len(fig.axes) == 6
+            assert all(len(ax.get_lines()) == 2 for ax in drawn)  # one line per context
+            assert len(legend.get_texts()) == 2
+        markers = {line.get_marker() for ax in drawn for line in ax.get_lines()}
+        assert len(markers) == 5  # one marker per configuration, whatever the panels
+
+
+@pytest.mark.parametrize("lang", ["pt", "hu"])
+def test_the_printed_report_fits_the_page_with_eight_long_labels(demo_raw, tmp_path, monkeypatch, lang):
+    from test_report_rendering import page_problems
+
+    from servegrid import report
+
+    monkeypatch.chdir(tmp_path)
+    names = list("abcdefgh")
+    experiment = experiment_of(demo_raw, names, **{"slo": {"decode": {"tpot_p90_ms": 6}}})
+    raw = experiment.raw | {"configurations": {
+        n: experiment.raw["configurations"][n] | {"label": {
+            "pt": f"configuração {n}: especulação ngram (3 tokens), sem prefix caching",
+            "hu": f"{n} konfiguráció: ngram spekuláció (3 token), prefix caching nélkül"}}
+        for n in names}}  # fmt: skip
+    experiment = Experiment(raw)
+    measured(tmp_path, experiment)
+    figures.draw_all(experiment, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"), tmp_path / "figures",
+                     lang, requests_path=str(tmp_path / "r.parquet"))  # fmt: skip
+    pdf = tmp_path / "report.pdf"
+    report.render(experiment, lang, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"),
+                  str(tmp_path / "v.parquet"), tmp_path / "figures", str(tmp_path / "report.html"), str(pdf),
+                  verdict_path=str(tmp_path / "verdict.parquet"), crossovers_path=str(tmp_path / "cross.parquet"),
+                  production_path=str(tmp_path / "prod.parquet"))  # fmt: skip
+    assert not page_problems(pdf, tmp_path)
 
 
 def test_labels_and_title_come_in_each_report_language(demo_raw):

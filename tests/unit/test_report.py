@@ -69,10 +69,15 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
     _, out = rendered
     pt, hu = out["pt"][0], out["hu"][0]
     for html in (pt, hu):
+        # What was found comes first: the conclusion, the verdict, the production table; the set-up after.
+        order = [html.index(f'<section id="{name}"') for name in ("conclusion", "verdict", "production", "setup",
+                                                                  "decode", "across-the-grid", "details")]  # fmt: skip
+        assert order == sorted(order)
         verdict = html.split('id="verdict"')[1].split("</section>")[0]
         classes = verdict.split("<table")[1]
         assert classes.count("<tr>") == 1 + 3  # header + decode, single-turn, multi-turn (no KV corner here)
-        groups = verdict.split('class="grid groups"')[1]
+        details = html.split('id="details"')[1].split("</section>")[0]
+        groups = details.split('class="grid groups"')[1].split("</table>")[0]
         assert groups.count("<tr>") == 1 + 6  # header + 3 modes x 2 concurrencies
     assert "Decode pesado, gerações longas, prompts frios" in pt
     assert re.search(r"especulação ngram \(3 tokens\), sem prefix caching \(2,5× decode", pt)
@@ -85,6 +90,11 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
     assert "<h3>Decode, prompts frios: TPOT p90 ≤ 4 ms</h3>" in production_pt
     assert "sessões sustentadas: 4" in production_pt and "em nenhum ponto" in production_pt
     assert "fenntartott session: 4" in production_hu and "sehol" in production_hu
+    # Per cell, the share of requests within the objectives: ngram's 2 ms per token meets TPOT p90 ≤ 4 ms in
+    # every request, prefix caching's 5 ms in none (Portuguese writes 100%, Hungarian 100 %).
+    attainment = production_pt.split('class="grid attainment"')[1].split("</table>")[0]
+    assert attainment.count("<tr>") == 1 + 2 and attainment.count(">100%<") == 2 and attainment.count(">0%<") == 2
+    assert production_hu.split('class="grid attainment"')[1].count(">100 %<") == 2
     # ngram meets TPOT p90 ≤ 4 ms at both concurrencies of the one decode context: the conclusion says so.
     assert re.search(r"“especulação ngram \(3 tokens\), sem prefix caching” sustenta o maior número de sessões "
                      r"concorrentes em 1 de 1 contextos", pt)  # fmt: skip

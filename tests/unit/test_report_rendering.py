@@ -70,7 +70,6 @@ def test_html_in_headless_chromium(rendered, tmp_path, lang):  # noqa: F811
 
 @pytest.mark.parametrize("lang", ["pt", "hu"])
 def test_pdf_through_poppler(rendered, tmp_path, lang):  # noqa: F811
-    pdftoppm = need(shutil.which("pdftoppm"), "pdftoppm (poppler-utils)")
     pdf = Path(rendered[1][lang][1])
     fonts = subprocess.run([need(shutil.which("pdffonts"), "pdffonts"), str(pdf)], capture_output=True, text=True,
                            check=True).stdout.splitlines()[2:]  # fmt: skip
@@ -79,16 +78,38 @@ def test_pdf_through_poppler(rendered, tmp_path, lang):  # noqa: F811
     text = subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True, check=True).stdout
     accented = {"pt": "ãçõéê", "hu": "őöéáú"}[lang]
     assert all(ch in text for ch in accented), [ch for ch in accented if ch not in text]
+    problems = page_problems(pdf, tmp_path)
+    assert not problems, problems
+
+
+def page_problems(pdf: Path, tmp_path: Path) -> list[str]:
+    """What a reader of the printed report would see wrong: something in the right margin, a blank page, or
+    a page (but the last) that ends before 60% of its text area (a half-empty page)."""
+    pdftoppm = need(shutil.which("pdftoppm"), "pdftoppm (poppler-utils)")
     subprocess.run([pdftoppm, "-r", "40", "-png", str(pdf), str(tmp_path / "page")], check=True, timeout=120)
     pages = sorted(tmp_path.glob("page-*.png"))
     assert len(pages) >= 5
-    for page in pages:
+    problems = []
+    for number, page in enumerate(pages, 1):
         image = Image.open(page).convert("L")
         width, height = image.size
         margin = int(width * 12 / 210)  # the right margin is 14 mm of 210: 12 mm must stay blank
-        band = image.crop((width - margin, 0, width, height))
-        assert band.getextrema()[0] > 235, f"{page.name}: something runs into the right margin"
-        assert image.getextrema()[0] < 100, f"{page.name}: blank page"
+        if image.crop((width - margin, 0, width, height)).getextrema()[0] <= 235:
+            problems.append(f"{page.name}: something runs into the right margin")
+        if image.getextrema()[0] >= 100:
+            problems.append(f"{page.name}: blank page")
+        if number < len(pages) and filled_share(image) < 0.6:  # the last page ends where the document ends
+            problems.append(f"{page.name}: only {filled_share(image):.0%} of the page is used")
+    return problems
+
+
+def filled_share(page: Image.Image) -> float:
+    """How far down the page's text area (A4 less the 16 mm top and 18 mm bottom margins) something is
+    printed: 1.0 for a full page, 0.5 for one that ends half-way."""
+    width, height = page.size
+    area = page.crop((0, round(height * 16 / 297), width, round(height * (297 - 18) / 297)))
+    inked = [y for y in range(area.height) if area.crop((0, y, width, y + 1)).getextrema()[0] < 200]
+    return (inked[-1] + 1) / area.height if inked else 0.0
 
 
 def test_weasyprint_loads_every_resource(demo_grid, tmp_path, caplog):  # noqa: F811

@@ -111,15 +111,22 @@ class Painter:
         if len(invalid):
             ax.scatter(invalid["concurrency"], invalid["primary_p50"], marker="x", s=90, color="black", zorder=5)
 
-    def _legend(self, fig: plt.Figure, ax: plt.Axes) -> None:
+    def _legend_and_layout(self, fig: plt.Figure, bottom: float) -> None:
         """One legend for the figure, from every panel (a configuration missing from the first one is
-        still named), each label once."""
+        still named), each label once, in the ``bottom`` share of the figure kept free below the panels
+        (a legend of many rows grows downwards, past the figure's edge: the saved file includes it)."""
         seen: dict[str, object] = {}
         for axis in fig.axes:
             for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
                 seen.setdefault(label, handle)
         if seen:
-            fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(3, len(seen)), frameon=False)
+            # As many columns as the figure's width holds at the longest label (about 13 characters an inch),
+            # at most three: a wider legend would widen the saved figure and shrink it on the page.
+            longest = max(len(label) for label in seen)
+            columns = max(1, min(3, len(seen), int(fig.get_figwidth() * 13 // (longest + 4))))
+            fig.legend(list(seen.values()), list(seen), loc="upper center", bbox_to_anchor=(0.5, bottom),
+                       ncol=columns, frameon=False)  # fmt: skip
+        fig.tight_layout(rect=(0, bottom, 1, 1))
 
     @staticmethod
     def _wrapped(n: int) -> tuple[plt.Figure, list[plt.Axes], int]:
@@ -153,8 +160,7 @@ class Painter:
             ax.set_ylim(bottom=0)
             self._axes_numbers(ax)
             ax.set_title(self._context_title(mode, int(context)))
-        self._legend(fig, axes[0])
-        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        self._legend_and_layout(fig, 0.1)
         return fig
 
     def probe_bars(self, mode: str) -> plt.Figure:
@@ -179,8 +185,7 @@ class Painter:
         ax.set_xlabel(self._("shared prefix (tokens): first request (solid), second request (hatched)"))
         ax.set_ylabel(self._("TTFT (s)"))
         self._axes_numbers(ax)
-        self._legend(fig, ax)
-        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        self._legend_and_layout(fig, 0.1)
         return fig
 
     def each_configuration_by_context(self, mode: str) -> plt.Figure:
@@ -216,8 +221,7 @@ class Painter:
             self._axes_numbers(ax)
         for ax in axes[len(names) :]:
             ax.axis("off")
-        self._legend(fig, axes[0])
-        fig.tight_layout(rect=(0, 0.1 / rows_n, 1, 1))
+        self._legend_and_layout(fig, 0.1 / rows_n)
         return fig
 
     def throughput_latency(self, mode: str) -> plt.Figure:
@@ -246,8 +250,7 @@ class Painter:
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
             self._axes_numbers(ax)
             ax.set_title(self._context_title(mode, int(context)))
-        self._legend(fig, axes[0])
-        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        self._legend_and_layout(fig, 0.1)
         return fig
 
     # ---- figures of the whole run ------------------------------------------------------------
@@ -295,8 +298,7 @@ class Painter:
                 ax.set_xlim(left=0)
                 ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
                 self._axes_numbers(ax)
-        self._legend(fig, grid[0][0])
-        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        self._legend_and_layout(fig, 0.06)
         return fig
 
     def goodput_by_concurrency(self) -> plt.Figure:
@@ -316,6 +318,9 @@ class Painter:
                 if len(rows):
                     ax.plot(rows["concurrency"], rows["goodput_rps"].astype(float), marker=self.markers[name],
                             color=self.colours[name], label=label, linewidth=2)  # fmt: skip
+                    invalid = rows[~rows["valid"].astype(bool)]  # marked × as in every other figure
+                    ax.scatter(invalid["concurrency"], invalid["goodput_rps"].astype(float), marker="x", s=90,
+                               color="black", zorder=5)  # fmt: skip
             self._concurrency_axis(ax, sorted(int(c) for c in cells["concurrency"].unique()))
             ax.set_ylabel(self._("requests/s within the objectives"))
             ax.set_ylim(bottom=0)
@@ -323,8 +328,7 @@ class Painter:
             ax.set_title(f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}", fontsize=9)
         for ax in axes[len(panels) :]:
             ax.axis("off")
-        self._legend(fig, axes[0])
-        fig.tight_layout(rect=(0, 0.1 / rows_n, 1, 1))
+        self._legend_and_layout(fig, 0.1 / rows_n)
         return fig
 
     def ratio_heatmap(self) -> plt.Figure:
@@ -339,8 +343,9 @@ class Painter:
             ax.axis("off")
             ax.text(0.5, 0.5, self._("One configuration: nothing to compare."), ha="center", va="center")
             return fig
+        row_height = min(3.0, 13.0 / len(others))  # many configurations: flatter rows, so the page holds them
         fig, grid = plt.subplots(len(others), len(compared), figsize=(3.9 * len(compared) + 1.2,
-                                 3.0 * len(others) + 0.8), squeeze=False)  # fmt: skip
+                                 row_height * len(others) + 0.8), squeeze=False)  # fmt: skip
         valid = self.summary[self.summary["valid"].astype(bool)] if len(self.summary) else self.summary
         for row, name in enumerate(others):
             for column, mode in enumerate(compared):

@@ -3,6 +3,9 @@
 The tables hold configuration names; labels, titles and settings come from the
 :class:`~servegrid.config.Experiment` (declared as the report rule's params), so a
 label edit reruns only the reports.
+
+It runs over 300 lines: every table and sentence the template shows is shaped
+here, so that the template holds layout and words, never logic.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from babel import Locale
 from servegrid import engines, modes, redact, stats
 from servegrid.catalogues import Formatter
 from servegrid.config import Experiment, canonical_json
-from servegrid.figure_list import run_figures
+from servegrid.figure_list import GOODPUT_FIGURE, run_figures
 from servegrid.modes.base import FigureSpec, Mode
 
 
@@ -93,11 +96,19 @@ class ReportData:
                     {
                         "context": int(context),
                         "cells": {r["configuration"]: r for r in at},
+                        "winners": winners,
                         # Goodputs within verdict.min_factor of each other: a tie, every one named.
                         "winner_label": " ≈ ".join(self.label(w) for w in winners) if winners else None,
                     }
                 )
-            sections.append({"mode": modes.get(name), "objectives": self.objectives_text(goals), "rows": rows})
+            sections.append(
+                {
+                    "mode": modes.get(name),
+                    "objectives": self.objectives_text(goals),
+                    "rows": rows,
+                    "attainment": self.mode_rows(name),  # per cell: the share of requests within the objectives
+                }
+            )
         return sections
 
     def production_marks(self) -> dict[str, bool]:
@@ -184,8 +195,12 @@ class ReportData:
             return str(value)
         return self.formatter.integer(value) if float(value).is_integer() else self.formatter.num(value, 2)
 
-    def run_figures(self) -> tuple[FigureSpec, ...]:
-        return run_figures(self.experiment)
+    def grid_figures(self) -> tuple[FigureSpec, ...]:
+        """The run's figures shown across the grid: every run figure but goodput (the production section's)."""
+        return tuple(spec for spec in run_figures(self.experiment) if spec is not GOODPUT_FIGURE)
+
+    def goodput_figure(self) -> FigureSpec | None:
+        return GOODPUT_FIGURE if GOODPUT_FIGURE in run_figures(self.experiment) else None
 
     def shared_args(self) -> str:
         """engine.args as the report prints them: secrets masked."""
@@ -203,14 +218,26 @@ class ReportData:
         starts = pd.to_datetime(self.summary["started_at"], utc=True, format="ISO8601")
         return starts.min().to_pydatetime(), starts.max().to_pydatetime()
 
+    # Up to this many configurations, tables with a column per configuration head it with its label; beyond,
+    # with its colour and number (and a key above the table), so that eight fit an A4 page in either language.
+    LABELLED_COLUMNS = 4
+
+    def compact_columns(self) -> bool:
+        return len(self.experiment.configurations) > self.LABELLED_COLUMNS
+
+    def conf_index(self, name: str) -> int:
+        """A configuration's number in the report (config order, from 1), as compact columns show it."""
+        return list(self.experiment.configurations).index(name) + 1
+
     def configurations(self) -> list[dict[str, Any]]:
         out = []
-        for name, conf in self.experiment.configurations.items():
+        for index, (name, conf) in enumerate(self.experiment.configurations.items(), 1):
             sessions = self.servers[self.servers["configuration"] == name] if len(self.servers) else self.servers
             latest = _plain(sessions.iloc[-1].to_dict()) if len(sessions) else {}
             out.append(
                 {
                     "name": name,
+                    "index": index,
                     "label": self.label(name),
                     "prefix_caching": conf.prefix_caching,
                     "speculative": canonical_json(conf.speculative) if conf.speculative else None,
