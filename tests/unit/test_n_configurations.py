@@ -166,27 +166,46 @@ def test_multi_turn_figures_draw_each_of_five_configurations_with_its_own_line_a
 
 @pytest.mark.parametrize("lang", ["pt", "hu"])
 def test_the_printed_report_fits_the_page_with_eight_long_labels(demo_raw, tmp_path, monkeypatch, lang):
+    """Every mode (two prefix lengths for single-turn), objectives on each, eight configurations with labels
+    as long as the demo's: each table fits the page, in numbered columns with their key, and no page is half
+    empty."""
     from test_report_rendering import page_problems
 
     from servegrid import report
 
     monkeypatch.chdir(tmp_path)
     names = list("abcdefgh")
-    experiment = experiment_of(demo_raw, names, **{"slo": {"decode": {"tpot_p90_ms": 6}}})
-    raw = experiment.raw | {"configurations": {
-        n: experiment.raw["configurations"][n] | {"label": {
+    raw = with_changes(demo_raw, slo={"decode": {"tpot_p90_ms": 6}, "single_turn": {"ttft_p90_ms": 400},
+                                      "multi_turn": {"ttft_p90_ms": 400}})  # fmt: skip
+    raw["configurations"] = {
+        n: {**demo_raw["configurations"]["ngram"], "label": {
             "pt": f"configuração {n}: especulação ngram (3 tokens), sem prefix caching",
             "hu": f"{n} konfiguráció: ngram spekuláció (3 token), prefix caching nélkül"}}
-        for n in names}}  # fmt: skip
+        for n in names
+    }  # fmt: skip
+    for mode, contexts in (("decode", [512]), ("single_turn", [1024, 2048]), ("multi_turn", [1024])):
+        raw["workloads"][mode].update(contexts=contexts, concurrency=[1, 4])
     experiment = Experiment(raw)
-    measured(tmp_path, experiment)
-    figures.draw_all(experiment, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"), tmp_path / "figures",
-                     lang, requests_path=str(tmp_path / "r.parquet"))  # fmt: skip
-    pdf = tmp_path / "report.pdf"
-    report.render(experiment, lang, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"),
-                  str(tmp_path / "v.parquet"), tmp_path / "figures", str(tmp_path / "report.html"), str(pdf),
-                  verdict_path=str(tmp_path / "verdict.parquet"), crossovers_path=str(tmp_path / "cross.parquet"),
-                  production_path=str(tmp_path / "prod.parquet"))  # fmt: skip
+    paths = []
+    for cell in experiment.cells():
+        rank = names.index(cell.configuration)
+        extra = {"turns": 3} if cell.mode == "multi_turn" else {}  # no prefix caching: no hits
+        synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
+                       ttft_s=0.05 * (1 + rank), interval_s=INTERVALS[cell.configuration], hit_rate=0.0,
+                       **extra)  # fmt: skip
+        paths.append(str(tmp_path / cell.path))
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
+    aggregate.aggregate(experiment, paths, *out.values())
+    figures.draw_all(experiment, out["s"], out["c"], tmp_path / "figures", lang, requests_path=out["r"])
+    pdf, html = tmp_path / "report.pdf", tmp_path / "report.html"
+    report.render(experiment, lang, out["s"], out["c"], out["v"], tmp_path / "figures", str(html), str(pdf),
+                  verdict_path=out["verdict"], crossovers_path=out["cross"], production_path=out["prod"])  # fmt: skip
+    text = html.read_text(encoding="utf-8")
+    assert text.count('src="data:image/png;base64,') == len(figure_list.figure_specs(experiment))  # every figure
+    # A key above each table with a column per configuration: 4 modes' tables (2 in single-turn), 3 production,
+    # 3 attainment; the setup table numbers the configurations too.
+    assert text.count('<p class="key">') == 3 + 1 + 3 + 3
+    assert "<strong>8</strong> configura" in text or "<strong>8</strong> h konfig" in text
     assert not page_problems(pdf, tmp_path)
 
 

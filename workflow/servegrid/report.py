@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import subprocess
 from datetime import UTC, datetime
 from importlib import metadata
@@ -66,6 +67,19 @@ def _figure_uri(path: Path, ext: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
 
 
+# The print stylesheet caps a figure at 66 mm high; one drawn taller than this (several rows of panels: the
+# CDFs, a heatmap of many configurations) would print below half its size there, its lettering a few points
+# high, so it is marked tall and gets the higher cap.
+TALL_PT = 2 * 66 / 25.4 * 72
+
+
+def _is_tall(svg: Path) -> bool:
+    """Whether the figure's own height (its SVG's, in pt) is over :data:`TALL_PT`."""
+    head = svg.read_text(encoding="utf-8", errors="replace")[:2000]
+    size = re.search(r'<svg[^>]*\sheight="([\d.]+)pt"', head)
+    return bool(size) and float(size[1]) > TALL_PT
+
+
 def environment(lang: str) -> tuple[jinja2.Environment, Formatter, Any]:
     """The template environment of ``lang``, its number formatter and its translations."""
     translations, locale = load_catalog(lang)
@@ -100,7 +114,10 @@ def render_html(
     ext = "png" if medium == "screen" else "svg"
     assert ext in FORMATS
     figures = {
-        spec.name: _figure_uri(figures_dir / f"{spec.name}.{ext}", ext)
+        spec.name: {
+            "uri": _figure_uri(figures_dir / f"{spec.name}.{ext}", ext),
+            "tall": _is_tall(figures_dir / f"{spec.name}.svg"),
+        }
         for _, spec in figure_specs(experiment)
         if (figures_dir / f"{spec.name}.{ext}").exists()
     }
