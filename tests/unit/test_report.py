@@ -10,7 +10,7 @@ from babel.messages.extract import extract_from_dir, extract_python
 from babel.messages.pofile import read_po
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
-from servegrid import catalogues, figure_list, figures, modes, report
+from servegrid import catalogues, figure_list, figures, figures_run, modes, report
 from servegrid.catalogues import LOCALES
 from servegrid.errors import ConfigError
 from servegrid.report import TEMPLATES
@@ -126,7 +126,8 @@ def test_catalogues_translate_every_template_message():
         )
     }
     # Words in Python: the figures' own, and every mode's and run figure's (marked N_), as report/babel.cfg says.
-    sources = [Path(figures.__file__), Path(figure_list.__file__), *sorted(Path(modes.__file__).parent.glob("*.py"))]
+    sources = [Path(figures.__file__), Path(figures_run.__file__), Path(figure_list.__file__),
+               *sorted(Path(modes.__file__).parent.glob("*.py"))]  # fmt: skip
     for path in sources:
         with path.open("rb") as source:
             extracted |= {
@@ -149,3 +150,32 @@ def test_languages_come_from_catalogues():
     assert catalogues.available_languages() == ["hu", "pt"]
     with pytest.raises(ConfigError, match="no catalogue for language 'de'"):
         catalogues.load_catalog("de")
+
+
+def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo_grid, tmp_path):  # noqa: F811
+    """Both configurations' multi-turn cells at 4 sessions ran into the KV capacity (preemptions): the verdict's
+    KV row says neither, with the servers' pool and the most tokens those cells held at once (the seed's third
+    row and its explanation)."""
+    from helpers import synthetic_cell
+    from servegrid.report_data import ReportData
+
+    experiment, cells = demo_grid
+    for cell in experiment.cells():
+        if cell.mode == "multi_turn" and cell.concurrency == 4:
+            synthetic_cell(tmp_path / cell.path, cell.configuration, "multi_turn", cell.context, 4, ttft_s=0.2,
+                           interval_s=0.005, turns=3, hit_rate=0.7 if cell.configuration == "prefix_cache" else 0.0,
+                           preemptions=3)  # fmt: skip
+    tables = run_aggregate(experiment, cells, tmp_path)
+    (kv_row,) = tables["verdict"][tables["verdict"]["outcome"] == "kv_limit"].to_dict("records")
+    assert (kv_row["min_context"], kv_row["min_concurrency"]) == (1024, 4)
+    data = ReportData(experiment, tables["summary"], tables["comparisons"], tables["servers"],
+                      verdict=tables["verdict"], crossovers=tables["crossovers"],
+                      production=tables["production"])  # fmt: skip
+    html = report.render_html(experiment, "pt", data, tmp_path / "no-figures", "screen", report.provenance(experiment))
+    verdict = html.split('id="verdict"')[1].split("</section>")[0]
+    asked = tables["summary"].query("kv_limited")["peak_tokens_asked"].max()
+    assert asked == 4 * (1024 + 32)  # sessions × the longest request (the synthetic cells' prompt and output)
+    assert "Nenhum — limite de KV" in verdict
+    assert "um pool de KV cache de 262.144 tokens, contra até 4.224 tokens vivos ao mesmo tempo" in verdict
+    conclusion = html.split('id="conclusion"')[1].split("</section>")[0]
+    assert "A partir de 1.024 tokens com 4 sessões concorrentes" in conclusion

@@ -8,13 +8,14 @@ own format. Each figure is written as PNG (for the HTML report) and SVG
 :mod:`servegrid.figure_list` (each mode declares its own); a figure's
 ``kind`` names the :class:`Painter` method that draws it.
 
-It runs over 300 lines: one Painter draws every kind of figure, so that
-colours, markers, number formats and legends are decided in one place.
+The figures of the whole run (the baseline heatmap, the latency distributions,
+goodput) are drawn by :class:`servegrid.figures_run.RunFigures`, which the
+Painter extends: colours, markers, number formats and legends stay decided in
+one place, here.
 """
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,11 +30,11 @@ import seaborn as sns
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
 from servegrid import atomic, modes, stats
-from servegrid.aggregate import per_token_itl
 from servegrid.catalogues import format_number, load_catalog
 from servegrid.config import Experiment
 from servegrid.errors import ReportError
 from servegrid.figure_list import FORMATS, figure_specs
+from servegrid.figures_run import RunFigures
 from servegrid.modes.base import FigureSpec
 
 Gettext = Callable[[str], str]
@@ -44,11 +45,10 @@ MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_con
 RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency", "latency_cdfs")
 # One marker per configuration besides its colour, in config order: lines stay apart in grey print.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-DASHES = ("-", "--", "-.", ":")  # for lines without markers (distributions)
 
 
-class Painter:
-    """Draws the figures of one language."""
+class Painter(RunFigures):
+    """Draws the figures of one language: the modes' own here, the whole run's in :class:`RunFigures`."""
 
     def __init__(
         self,
@@ -252,145 +252,6 @@ class Painter:
             ax.set_title(self._context_title(mode, int(context)))
         self._legend_and_layout(fig, 0.1)
         return fig
-
-    # ---- figures of the whole run ------------------------------------------------------------
-    def latency_cdfs(self) -> plt.Figure:
-        """Per mode, its heaviest cell group (largest context, then most sessions): the distribution of every
-        configuration's TTFT (the mode's primary turn) and of its per-token inter-token latency."""
-        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
-        fig, grid = plt.subplots(2, max(1, len(self.experiment.modes())), squeeze=False,
-                                 figsize=(3.9 * max(1, len(self.experiment.modes())) + 1.2, 7.0))  # fmt: skip
-        requests = self.requests
-        for column, mode in enumerate(self.experiment.modes()):
-            ttft_ax, itl_ax = grid[0][column], grid[1][column]
-            cells = self.summary[self.summary["mode"] == mode]
-            if cells.empty or requests.empty:
-                for ax in (ttft_ax, itl_ax):
-                    ax.axis("off")
-                continue
-            valid_cells = cells[cells["valid"].astype(bool)]
-            cells = valid_cells if len(valid_cells) else cells  # the heaviest load measured validly, if any
-            context = int(cells["context"].max())
-            concurrency = int(cells.loc[cells["context"] == context, "concurrency"].max())
-            rows = requests[(requests["mode"] == mode) & (requests["context"] == context)
-                            & (requests["concurrency"] == concurrency) & (requests["phase"] == "measured")
-                            & requests["valid"].astype(bool)]  # fmt: skip
-            turn = modes.get(mode).primary.turn
-            for name, label in self.labels.items():
-                mine = rows[rows["configuration"] == name]
-                if mine.empty:
-                    continue
-                dash = DASHES[list(self.labels).index(name) % len(DASHES)]
-                style = {"color": self.colours[name], "label": label, "linewidth": 2, "linestyle": dash}
-                ttft = mine if turn is None else mine[mine["turn"] == turn]
-                sns.ecdfplot(x=ttft["ttft_s"].to_numpy(dtype=float), ax=ttft_ax, **style)
-                itl = np.concatenate([per_token_itl(t, k) for t, k in zip(mine["chunk_times_s"], mine["chunk_tokens"],
-                                      strict=True)] or [np.empty(0)])  # fmt: skip
-                if itl.size:
-                    sns.ecdfplot(x=itl * 1000, ax=itl_ax, **style)
-            sessions = self._("%(sessions)s concurrent sessions") % {"sessions": self.number(concurrency, 0)}
-            ttft_ax.set_title(f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}, "
-                              f"{sessions}", fontsize=9)  # fmt: skip
-            ttft_ax.set_xlabel(self._("TTFT (s)"))
-            itl_ax.set_xlabel(self._("inter-token latency per token (ms)"))
-            for ax in (ttft_ax, itl_ax):
-                ax.set_ylabel(self._("share of requests") if ax is ttft_ax else self._("share of tokens"))
-                ax.set_xlim(left=0)
-                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
-                self._axes_numbers(ax)
-        self._legend_and_layout(fig, 0.06)
-        return fig
-
-    def goodput_by_concurrency(self) -> plt.Figure:
-        """Goodput (requests/s within the objectives) vs concurrency, one panel per mode with objectives and
-        context, one line per configuration."""
-        panels = [
-            (mode, int(context))
-            for mode in self.experiment.modes()
-            if mode in self.experiment.slo
-            for context in sorted(self.summary.loc[self.summary["mode"] == mode, "context"].unique())
-        ]
-        fig, axes, rows_n = self._wrapped(len(panels))
-        for ax, (mode, context) in zip(axes, panels, strict=False):
-            cells = self.summary[(self.summary["mode"] == mode) & (self.summary["context"] == context)]
-            for name, label in self.labels.items():
-                rows = cells[cells["configuration"] == name].sort_values("concurrency")
-                if len(rows):
-                    ax.plot(rows["concurrency"], rows["goodput_rps"].astype(float), marker=self.markers[name],
-                            color=self.colours[name], label=label, linewidth=2)  # fmt: skip
-                    invalid = rows[~rows["valid"].astype(bool)]  # marked × as in every other figure
-                    ax.scatter(invalid["concurrency"], invalid["goodput_rps"].astype(float), marker="x", s=90,
-                               color="black", zorder=5)  # fmt: skip
-            self._concurrency_axis(ax, sorted(int(c) for c in cells["concurrency"].unique()))
-            ax.set_ylabel(self._("requests/s within the objectives"))
-            ax.set_ylim(bottom=0)
-            self._axes_numbers(ax)
-            ax.set_title(f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}", fontsize=9)
-        for ax in axes[len(panels) :]:
-            ax.axis("off")
-        self._legend_and_layout(fig, 0.1 / rows_n)
-        return fig
-
-    def ratio_heatmap(self) -> plt.Figure:
-        """Each configuration against the baseline: how many times better (or worse) its primary p50 is,
-        one row of panels per configuration, one panel per mode, context × concurrency in each."""
-        baseline = self.experiment.baseline()
-        others = [n for n in self.labels if n != baseline]
-        compared = list(self.experiment.modes())
-        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
-        if not others:
-            fig, (ax,) = self._panels(1, height=1.6)
-            ax.axis("off")
-            ax.text(0.5, 0.5, self._("One configuration: nothing to compare."), ha="center", va="center")
-            return fig
-        row_height = min(3.0, 13.0 / len(others))  # many configurations: flatter rows, so the page holds them
-        fig, grid = plt.subplots(len(others), len(compared), figsize=(3.9 * len(compared) + 1.2,
-                                 row_height * len(others) + 0.8), squeeze=False)  # fmt: skip
-        valid = self.summary[self.summary["valid"].astype(bool)] if len(self.summary) else self.summary
-        for row, name in enumerate(others):
-            for column, mode in enumerate(compared):
-                ax = grid[row][column]
-                ratios = self._ratios(valid, mode, name, baseline)
-                if row == 0:
-                    ax.set_title(self._(modes.get(mode).short_title), fontsize=10)
-                # The configuration names its row, on the left: panel titles would run into each other.
-                ylabel = self._("context (tokens)")
-                ylabel = f"{textwrap.fill(self.labels[name], 28)}\n\n{ylabel}" if column == 0 else ylabel
-                if ratios.empty:
-                    ax.set_xticks([])
-                    ax.set_yticks([])
-                    ax.grid(False)
-                    ax.set_ylabel(ylabel)
-                    ax.text(0.5, 0.5, self._("no valid cells to compare"), ha="center", va="center", color="#666666")
-                    continue
-                grid_values = np.log2(ratios)
-                limit = max(1.0, float(np.nanmax(np.abs(grid_values.to_numpy()))))
-                annotations = ratios.map(lambda f: "" if f != f else self.number(f, 1) + "×")
-                sns.heatmap(grid_values, ax=ax, cmap="RdBu", center=0, vmin=-limit, vmax=limit, annot=annotations,
-                            fmt="", cbar=False, linewidths=0.5, linecolor="white")  # fmt: skip
-                ax.set_xlabel(self._("concurrent sessions"))
-                ax.set_ylabel(ylabel)
-                ax.set_yticklabels([self.number(int(c), 0) for c in ratios.index], rotation=0)
-        legend = self._("against %(baseline)s: blue better, red worse") % {"baseline": self.labels[baseline]}
-        fig.text(0.5, 0.01, legend, ha="center", fontsize=9)
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-        return fig
-
-    @staticmethod
-    def _ratios(valid: pd.DataFrame, mode: str, name: str, baseline: str) -> pd.DataFrame:
-        """context × concurrency: how many times better ``name``'s primary p50 is than ``baseline``'s."""
-        cells = valid[valid["mode"] == mode] if len(valid) else valid
-        if cells.empty:
-            return pd.DataFrame()
-        pivot = cells.pivot_table(index="context", columns="concurrency", values="primary_p50", aggfunc="first")
-        by_conf = {
-            n: cells[cells["configuration"] == n].pivot(index="context", columns="concurrency", values="primary_p50")
-            for n in (name, baseline)
-        }
-        mine, theirs = (by_conf[n].reindex_like(pivot) for n in (name, baseline))
-        ratio = mine / theirs if modes.get(mode).primary.higher_is_better else theirs / mine
-        ratio = ratio.dropna(how="all").dropna(axis=1, how="all")
-        return ratio.sort_index(ascending=False)
 
 
 def draw_all(

@@ -60,12 +60,32 @@ class ReportData:
         ]
 
     def verdict_classes(self) -> list[dict[str, Any]]:
-        """The verdict table: classes that have data, each with its winner's label."""
+        """The verdict table: classes that have data, each with its winner's label; a KV-limit class also
+        with the capacity it ran into (as the seed explains its third row)."""
         return [
-            row | {"winner_label": self.labels(row["winner"])}
+            row
+            | {"winner_label": self.labels(row["winner"])}
+            | (self.kv_capacity() if row["outcome"] == "kv_limit" else {})
             for row in self.records(self.verdict)
             if row["outcome"] != "no_data"
         ]
+
+    def kv_capacity(self) -> dict[str, Any]:
+        """Over the KV-limited cells of the KV-limited cell groups (the verdict's KV corner): the smallest pool
+        they had (the servers' own figure, in tokens) and the most tokens one of them could hold at once
+        (sessions × its longest request, prompt and output: the live KV estimate)."""
+        summary, groups = self.summary, self.comparisons
+        if summary.empty or groups.empty or "kv_limited" not in summary:
+            return {"kv_pool_tokens": None, "kv_asked_tokens": None}
+        keys = ["mode", "context", "concurrency"]
+        corner = groups.loc[groups["kv_limited"].astype(bool), keys]
+        limited = summary[summary["kv_limited"].astype(bool)].merge(corner, on=keys)
+        pool = pd.to_numeric(limited["kv_cache_tokens"], errors="coerce").min() if len(limited) else np.nan
+        asked = pd.to_numeric(limited["peak_tokens_asked"], errors="coerce").max() if len(limited) else np.nan
+        return {
+            "kv_pool_tokens": None if stats.missing(pool) else int(pool),
+            "kv_asked_tokens": None if stats.missing(asked) else int(asked),
+        }
 
     def labels(self, names: str | None) -> str:
         """Comma-joined configurations (a shared lead) as their labels joined by ≈; one name: its label."""
