@@ -28,6 +28,11 @@ def tiny_grid(demo_raw):  # type: ignore[no-untyped-def]
         "single_turn": {"contexts": [512], "concurrency": [2], "suffix_tokens": 32, "output_tokens": 8},
         "multi_turn": {"contexts": [256], "concurrency": [1], "turns": 2, "tokens_per_turn": 64, "output_tokens": 8},
     }
+    # The client's own headroom has its tests (tests/unit/test_cell_flags.py); here a slow shared host must not
+    # invalidate the cells whose token counts and tables this file checks (a clean-clone CI run on 2026-12-01,
+    # with the suite at 47 min instead of 25, had one cell invalid here and one multi-turn calibration cell
+    # flagged at loop lag p99 15 ms).
+    raw["validity"] = {**raw.get("validity", {}), "max_loop_lag_s": 0.1, "max_client_cpu": 0.95}
     return raw
 
 
@@ -62,7 +67,7 @@ def test_parquet_tables_hold_exact_measured_requests_of_both_configurations(pipe
     assert (measured["output_tokens_reported"] == measured["output_tokens_requested"]).all()
     summary = pd.read_parquet(workdir / "results" / "tables" / "summary.parquet")
     assert len(summary) == 2 * (2 + 1 + 1)
-    assert summary["valid"].all()
+    assert summary["valid"].all(), summary.loc[~summary["valid"], ["cell_id", "invalid_reasons"]].to_string()
     decode = summary[summary["mode"] == "decode"]
     assert decode["ttft_s_p50"].gt(0).all() and decode["tpot_s_p50"].gt(0).all()
     assert decode["decode_tps_p50"].gt(0).all()

@@ -41,6 +41,11 @@ def calibration_experiment() -> Experiment:
                                "output_tokens": 8},
             },
             "operations": {"request_timeout_s": 30},
+            # The client's own headroom is judged by test_a_calm_client_is_not_flagged and
+            # test_an_overloaded_client_is_flagged; here a slow shared host must not fail checks that are about
+            # the server (seen in a clean-clone CI run on 2026-12-01, when the suite took 47 min instead of 25:
+            # multi-turn's client at loop lag p99 15 ms, 53% of a core).
+            "validity": {"max_loop_lag_s": 0.1, "max_client_cpu": 0.95},
         }
     )  # fmt: skip
 
