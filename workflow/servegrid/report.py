@@ -75,7 +75,8 @@ TALL_PT = 2 * 66 / 25.4 * 72
 
 def _is_tall(svg: Path) -> bool:
     """Whether the figure's own height (its SVG's, in pt) is over :data:`TALL_PT`."""
-    head = svg.read_text(encoding="utf-8", errors="replace")[:2000]
+    with svg.open("rb") as handle:  # the size is in the opening tag: no need to read a whole figure
+        head = handle.read(2000).decode("utf-8", errors="replace")
     size = re.search(r'<svg[^>]*\sheight="([\d.]+)pt"', head)
     return bool(size) and float(size[1]) > TALL_PT
 
