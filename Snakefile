@@ -21,6 +21,15 @@ if not workflow.config_settings.configfiles:
     configfile: "config.yaml"
 
 
+# On a cluster (profiles/slurm) only a configuration's server and cells need its node: the rest runs where
+# Snakemake runs, without a queue wait.
+localrules:
+    aggregate,
+    figures,
+    report_document,
+    report,
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/servers.smk"

@@ -37,9 +37,9 @@ import numpy as np
 from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import engines, hostinfo
-from servegrid.cell import run_loop
 from servegrid.client import Streamer, decode_stream, streaming_session
 from servegrid.client_monitor import ClientMonitor, CollectorPause
+from servegrid.measurement import run_loop
 from servegrid.request_record import RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]

@@ -56,10 +56,10 @@ import numpy as np
 import yaml
 
 from servegrid import aggregate, engines, metrics, model, procs, server, stats
-from servegrid.cell import run_loop
 from servegrid.client import Streamer, streaming_session
 from servegrid.client_monitor import CollectorPause
 from servegrid.config import Experiment
+from servegrid.measurement import run_loop
 from servegrid.prompts import PromptBuilder
 from servegrid.request_record import RequestRecord
 from servegrid.testing import benchmark_stats

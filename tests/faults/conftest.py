@@ -3,8 +3,8 @@
 Where the fault is the server's, the server is real vLLM (CPU build); where it is the wire's or the
 host's, the calibration server stands in for the engine *process* (it answers in vLLM's dialect), since
 what is checked there is servegrid's own handling. Every test records its time to a clear error; the
-table is printed at the end of the run and written to results/fault-matrix.md, from which the README's
-"How reliable is it?" table is copied.
+table is printed at the end of the run and written to results/fault-matrix.md, from which the fault matrix of
+docs/reliability.md is copied.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import pytest
 
 from helpers import copy_workflow, write_yaml
 from helpers.faults import calibration_config, half_written, kill_survivors, wait_for, wait_no_survivors
-from servegrid import paths, procs, records
+from servegrid import paths, procs, records, state
 from servegrid.config import Experiment
 
 pytestmark = pytest.mark.pipeline
@@ -109,7 +109,7 @@ def sessions_of(workdir: Path) -> set[str]:
 
 def records_of(workdir: Path) -> dict[str, Any]:
     """The server record the pipeline's last server left (its supervisor writes it)."""
-    return json.loads((workdir / paths.STATE_DIR / "only.json").read_text())
+    return json.loads((state.host_directory(workdir / paths.STATE_DIR) / "only.json").read_text())
 
 
 def cell_server(cell: Path) -> dict[str, Any]:
@@ -242,7 +242,7 @@ def test_two_pipelines(tmp_path: Path, matrix):  # type: ignore[no-untyped-def]
 
 def test_stale_records(done: Path, stranger: subprocess.Popen, matrix):  # type: ignore[no-untyped-def]
     workdir = done
-    record_path = workdir / paths.STATE_DIR / "only.json"
+    record_path = state.host_directory(workdir / paths.STATE_DIR) / "only.json"
     stale = json.loads(record_path.read_text())  # the record the completed run left (server stopped)
     assert stale["status"] == "stopped"
     # After a reboot the recorded pids are someone else's: here, a live stranger (same pid, same start time).

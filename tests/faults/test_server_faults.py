@@ -24,6 +24,7 @@ import pytest
 
 from helpers import snakemake, write_yaml
 from helpers.faults import half_written, vllm_config, wait_for, wait_no_survivors
+from servegrid import paths, state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
 
@@ -61,7 +62,7 @@ def wait_measuring(workdir: Path, log: str = CELL_LOG, timeout_s: float = 600) -
 
 
 def server_record(workdir: Path, configuration: str = "prefix_cache") -> dict[str, Any]:
-    return json.loads((workdir / "results" / ".servegrid" / f"{configuration}.json").read_text())
+    return json.loads((state.host_directory(workdir / paths.STATE_DIR) / f"{configuration}.json").read_text())
 
 
 def engine_core(record: dict[str, Any]) -> psutil.Process:

@@ -220,7 +220,7 @@ def leftovers(workdir: Path) -> list[int]:
     from servegrid import procs
 
     alive = []
-    for record_path in (workdir / "results" / ".servegrid").glob("*.json"):
+    for record_path in (workdir / "results" / ".servegrid").glob("*/*.json"):  # every host's folder
         record = json.loads(record_path.read_text())
         if "pgid" in record:
             alive += [p.pid for p in procs.group_members(record["pgid"])]

@@ -23,8 +23,11 @@ def tiny_grid(demo_raw):  # type: ignore[no-untyped-def]
     # Two of the demo's three configurations: a server start costs about a minute here, and the
     # third (both together) is served by the shared vLLM server of tests/integration/conftest.py.
     raw["configurations"] = {name: demo_raw["configurations"][name] for name in ("prefix_cache", "ngram")}
+    # Sequential sampling as the demo does it, held to 8 samples a cell (the fewest the rule judges): every
+    # cell has a median, and the staged path runs on real vLLM through Snakemake.
+    raw["sampling"] = {**demo_raw["sampling"], "min_samples": 8, "max_samples": 8, "max_duration_s": 120}
     raw["workloads"] = {
-        "decode": {"contexts": [256], "concurrency": [1, 2], "output_tokens": 32, "requests_per_session": 2},
+        "decode": {"contexts": [256], "concurrency": [1, 2], "output_tokens": 32},
         "single_turn": {"contexts": [512], "concurrency": [2], "suffix_tokens": 32, "output_tokens": 8},
         "multi_turn": {"contexts": [256], "concurrency": [1], "turns": 2, "tokens_per_turn": 64, "output_tokens": 8},
     }
@@ -68,6 +71,7 @@ def test_parquet_tables_hold_exact_measured_requests_of_both_configurations(pipe
     summary = pd.read_parquet(workdir / "results" / "tables" / "summary.parquet")
     assert len(summary) == 2 * (2 + 1 + 1)
     assert summary["valid"].all(), summary.loc[~summary["valid"], ["cell_id", "invalid_reasons"]].to_string()
+    assert summary["primary_n"].ge(8).all() and summary["sampling_reason"].isin(["precise", "max_samples"]).all()
     decode = summary[summary["mode"] == "decode"]
     assert decode["ttft_s_p50"].gt(0).all() and decode["tpot_s_p50"].gt(0).all()
     assert decode["decode_tps_p50"].gt(0).all()
@@ -181,6 +185,14 @@ def test_changing_one_mode_plans_only_that_modes_cells(pipeline_run, baseline):
     raw["workloads"]["single_turn"]["suffix_tokens"] = 48
     _, cells = plan(workdir, raw)
     assert cells == {f"results/cells/{c}/single_turn/ctx512_c2.parquet" for c in ("prefix_cache", "ngram")}
+
+
+def test_changing_one_modes_sampling_rule_plans_only_that_modes_cells(pipeline_run, baseline):
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["workloads"]["multi_turn"]["sampling"] = {"max_samples": 12}
+    _, cells = plan(workdir, raw)
+    assert cells == {f"results/cells/{c}/multi_turn/ctx256_c1.parquet" for c in ("prefix_cache", "ngram")}
 
 
 def test_deleting_one_cell_reruns_only_that_cell(pipeline_run, baseline):

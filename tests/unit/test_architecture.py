@@ -120,6 +120,15 @@ def test_no_module_grows_past_300_lines_without_saying_why():
             )
 
 
+def test_test_files_have_unique_names():
+    # The test folders are not packages (rootdir import mode): two test files of one name in two folders make
+    # pytest refuse the whole collection ("import file mismatch"), which a run of one folder never shows.
+    names: dict[str, list[str]] = {}
+    for path in (REPO / "tests").rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
 # ---- a fourth mode is one module: registered at test time, through aggregate → verdict → figures → report ----
 
 
@@ -188,7 +197,7 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
     assert "decode_short_tps" in names
     figures_dir = tmp_path / "figures"
     figures.draw_all(experiment, out["summary"], out["comparisons"], figures_dir, "pt", requests_path=out["requests"])
-    assert (figures_dir / "decode_short_tps.svg").stat().st_size > 1000
+    assert (figures_dir / "decode_short_tps.png").stat().st_size > 1000
     html = tmp_path / "r.html"
     report.render(experiment, "pt", out["summary"], out["comparisons"], out["servers"], figures_dir, str(html),
                   str(tmp_path / "r.pdf"), out["verdict"], out["crossovers"], out["production"])  # fmt: skip

@@ -44,8 +44,9 @@ def calibration_experiment() -> Experiment:
             # The client's own headroom is judged by test_a_calm_client_is_not_flagged and
             # test_an_overloaded_client_is_flagged; here a slow shared host must not fail checks that are about
             # the server (seen in a clean-clone CI run on 2026-12-01, when the suite took 47 min instead of 25:
-            # multi-turn's client at loop lag p99 15 ms, 53% of a core).
-            "validity": {"max_loop_lag_s": 0.1, "max_client_cpu": 0.95},
+            # multi-turn's client at loop lag p99 15 ms, 53% of a core; and on 2026-12-02 single-turn's sends
+            # at p99 15.8 ms after they were due, which is the same lagging loop seen from the send schedule).
+            "validity": {"max_loop_lag_s": 0.1, "max_client_cpu": 0.95, "max_send_delay_s": 0.1},
         }
     )  # fmt: skip
 
@@ -151,26 +152,27 @@ def test_a_server_that_hangs_mid_cell_fails_the_cell_at_a_deadline_from_its_work
 def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
     raw = calibration_experiment().raw
     raw["workloads"] = {"single_turn": {"contexts": [256], "concurrency": [2], "suffix_tokens": 16, "output_tokens": 4,
-                                        "requests_per_session": 2, "repeats": 3}}  # fmt: skip
+                                        "requests_per_session": 3, "repeats": 3}}  # fmt: skip
     experiment = Experiment(raw)
     (cell,) = experiment.cells("honest")
     meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     table = pd.read_parquet(cell.path)
     measured = table[table["phase"] == "measured"]
     assert sorted(measured["repeat"].unique()) == [0, 1, 2]
-    assert len(measured) == 3 * 2 * 2 and measured["request_id"].is_unique
+    assert len(measured) == 3 * 2 * 3 and measured["request_id"].is_unique
     assert len(meta["repeats"]) == 3
     # every repeat primes its own fresh prefix: each finds the prefix cached, none finds another's
     assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] == pytest.approx(256 / 272)
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
     aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
     row = pd.read_parquet(out["s"]).iloc[0]
-    assert row["n_repeats"] == 3 and row["primary_n"] == 12
+    assert row["n_repeats"] == 3 and row["primary_n"] == 18  # 6 a repeat: each repeat's median is reported
     assert row["primary_p50_repeat_min"] <= row["primary_p50"] <= row["primary_p50_repeat_max"]
 
 
 def _decode_cell(sandbox, tmp_path, concurrency: int = 4):  # type: ignore[no-untyped-def]
     raw = calibration_experiment().raw
+    del raw["validity"]  # these tests judge the client's own gates: the defaults, not the loosened ones
     raw["workloads"] = {"decode": {"contexts": [32], "concurrency": [concurrency], "output_tokens": 30,
                                    "requests_per_session": 3}}  # fmt: skip
     experiment = Experiment(raw)

@@ -110,13 +110,21 @@ def test_cell_settings_are_the_cells_own_slice(demo_raw):
         {"operations.port_range": [9000, 9100]},
         {"configurations.ngram.gpus": [3]},
         {"report.languages": ["hu"]},
+        {"workloads.multi_turn.sampling": {"max_duration_s": 60}},  # another mode's own rule
     ]
     for change in unrelated:
         other = Experiment(with_changes(demo_raw, **change))
         assert other.cell_settings(cell) == settings, change
         assert other.launch_spec("ngram") == base.launch_spec("ngram"), change
     # Its own mode's settings, sampling and content are.
-    for change in [{"workloads.decode.output_tokens": 64}, {"sampling.temperature": 0.5}, {"workloads.decode.seed": 7}]:
+    for change in [
+        {"workloads.decode.output_tokens": 32},
+        {"sampling.temperature": 0.5},
+        {"workloads.decode.seed": 7},
+        {"sampling.target_rel_ci": 0.1},  # its sampling rule: the top-level one...
+        {"sampling.min_samples": 12},
+        {"workloads.decode.sampling": {"max_duration_s": 60}},  # ...or its mode's own
+    ]:
         assert Experiment(with_changes(demo_raw, **change)).cell_settings(cell) != settings, change
 
 

@@ -37,7 +37,7 @@ def test_seed_config_plans_every_cell_of_the_grid(workdir):
 def test_configfile_replaces_config_yaml_instead_of_merging(workdir):
     result = snakemake(workdir, "-n", "--profile", "profiles/cpu-demo", "report")
     counts = planned(result)
-    assert counts["cell"] == 3 * 11 and counts["tiny_model"] == 1  # three configurations × 11 cells
+    assert counts["cell"] == 3 * 10 and counts["tiny_model"] == 1  # three configurations × 10 cells
     assert counts["server_spec"] == counts["server_stop"] == 3
     assert "results/cells/mtp/" not in result.stdout  # the GPU config's configuration is not inherited
 

@@ -33,7 +33,7 @@ def measured(tmp_path, experiment: Experiment, skip: set[tuple[str, int]] = froz
         interval = interval_at.get(f"{cell.configuration}{cell.concurrency}", INTERVALS[cell.configuration])
         path = tmp_path / cell.path
         synthetic_cell(path, cell.configuration, "decode", cell.context, cell.concurrency, ttft_s=0.05,
-                       interval_s=interval, requests=12, hit_rate=0.0, interval_spread=0.05)  # fmt: skip
+                       interval_s=interval, requests=30, hit_rate=0.0, interval_spread=0.05)  # fmt: skip
         paths.append(str(path))
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
     aggregate.aggregate(
@@ -230,3 +230,36 @@ def test_the_baseline_must_be_a_configuration(demo_raw):
         Experiment(with_changes(demo_raw, **{"report.baseline": "nope"}))
     assert Experiment(demo_raw).baseline() == "prefix_cache"
     assert Experiment(with_changes(demo_raw, **{"report.baseline": "ngram"})).baseline() == "ngram"
+
+
+def test_a_cell_too_small_for_a_median_is_marked_on_the_axis_not_drawn(demo_raw, tmp_path, monkeypatch):
+    """A cell with fewer than 6 samples has no median (servegrid.sampling): no point on its line, a hollow
+    marker of its configuration at the foot of the panel, and "n too small" once in the legend."""
+    monkeypatch.chdir(tmp_path)
+    raw = with_changes(demo_raw)
+    raw["configurations"] = {n: {**demo_raw["configurations"]["prefix_cache"], "label": f"config {n}"} for n in "ab"}
+    raw["workloads"] = {"multi_turn": {**demo_raw["workloads"]["multi_turn"], "contexts": [1024],
+                                       "concurrency": [1, 4]}}  # fmt: skip
+    experiment = Experiment(raw)
+    paths = []
+    for cell in experiment.cells():
+        path = tmp_path / cell.path
+        few = cell.configuration == "a" and cell.concurrency == 1
+        synthetic_cell(path, cell.configuration, "multi_turn", cell.context, cell.concurrency, turns=3,
+                       requests=4 if few else 6, ttft_s=0.1, interval_s=0.005, hit_rate=0.7)  # fmt: skip
+        paths.append(str(path))
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
+    aggregate.aggregate(experiment, paths, *out.values())
+    summary = pd.read_parquet(out["s"])
+    assert pd.isna(summary.set_index("cell_id").loc["a/multi_turn/ctx1024_c1", "primary_p50"])  # 4 samples
+    painter = figures.Painter(experiment, summary, pd.read_parquet(out["c"]), str, "pt", "pt",
+                              pd.read_parquet(out["r"]))  # fmt: skip
+    spec = next(s for s in modes.get("multi_turn").figures if s.kind == "primary_by_concurrency")
+    fig = painter.draw("multi_turn", spec)
+    (ax,) = [axis for axis in fig.axes if axis.axison]
+    line_a = next(line for line in ax.get_lines() if line.get_label() == "config a")
+    assert np.isnan(line_a.get_ydata()[0]) and not np.isnan(line_a.get_ydata()[1])  # no point at 1 session
+    hollow = [c for c in ax.collections if len(c.get_offsets()) and c.get_transform() != ax.transData]
+    assert len(hollow) == 1 and list(hollow[0].get_offsets()[:, 0]) == [1.0]
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()].count("n too small") == 1

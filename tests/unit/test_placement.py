@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import copy_workflow, snakemake, write_yaml
-from servegrid import server
+from servegrid import placement, server
 from servegrid.config import Experiment
+from servegrid.errors import ServerError
 from servegrid.records import METADATA_KEY
 
 
@@ -29,6 +30,43 @@ def test_each_configuration_gets_its_own_gpus(seed_raw):
         assert env["CUDA_VISIBLE_DEVICES"] == expected
         assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3.8-27B-FP8"]
         assert "CUDA_VISIBLE_DEVICES" not in " ".join(argv)
+
+
+def test_in_a_slurm_job_the_config_names_counts_and_slurm_the_devices(seed_raw, monkeypatch):
+    """The seed's mtp server asks for GPU 1; in a Slurm job given one GPU (CUDA_VISIBLE_DEVICES=3, no device
+    cgroup) that GPU is Slurm's 3, not the node's 1, which another job may hold."""
+    seed = Experiment(seed_raw)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    runtime = server.Runtime.from_config(seed.operations, seed.configuration("mtp"))
+    _, env = server.launch_command(seed.launch_spec("mtp"), runtime, 8100)
+    assert runtime.gpus == [3] and env["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_in_a_slurm_job_cpus_are_the_jobs_first_ones():
+    where = placement.place("a", cpus=[0], gpus=[], client_cpus=[1], environ={"SLURM_JOB_ID": "7"},
+                            allowed_cpus=[6, 4])  # fmt: skip
+    assert (where.server_cpus, where.client_cpus, where.slurm_job) == ([4], [6], "7")
+    outside = placement.place("a", cpus=[0], gpus=[1], client_cpus=[1], environ={}, allowed_cpus=[6, 4])
+    assert (outside.server_cpus, outside.client_cpus, outside.gpus, outside.slurm_job) == ([0], [1], [1], None)
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"SLURM_JOB_ID": "7"}, "asks for 1 GPU(s); Slurm job 7 shows 0"),
+        ({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "GPU-5f2e"}, "places servers by GPU index only"),
+    ],
+)
+def test_a_slurm_job_without_the_gpus_asked_for_fails_naming_the_key(environ, message):
+    with pytest.raises(ServerError, match=r"configurations\.a\.gpus") as error:
+        placement.place("a", cpus=[], gpus=[0], client_cpus=[], environ=environ, allowed_cpus=[0])
+    assert message in str(error.value)
+
+
+def test_a_slurm_job_with_too_few_cpus_fails_naming_the_keys():
+    with pytest.raises(ServerError, match=r"cpus and operations.client_cpus ask for 2 CPU\(s\); Slurm job 7 may use 1"):
+        placement.place("a", cpus=[0], gpus=[], client_cpus=[1], environ={"SLURM_JOB_ID": "7"}, allowed_cpus=[3])
 
 
 def placement_config() -> dict:

@@ -152,20 +152,27 @@ def test_languages_come_from_catalogues():
         catalogues.load_catalog("de")
 
 
-def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo_grid, tmp_path):  # noqa: F811
-    """Both configurations' multi-turn cells at 4 sessions ran into the KV capacity (preemptions): the verdict's
-    KV row says neither, with the servers' pool and the most tokens those cells held at once (the seed's third
-    row and its explanation)."""
+def with_a_kv_limited_corner(experiment, cells, tmp_path):  # type: ignore[no-untyped-def]
+    """The demo grid's tables with both configurations' multi-turn cells at 4 sessions past the KV capacity
+    (preemptions)."""
     from helpers import synthetic_cell
-    from servegrid.report_data import ReportData
 
-    experiment, cells = demo_grid
     for cell in experiment.cells():
         if cell.mode == "multi_turn" and cell.concurrency == 4:
             synthetic_cell(tmp_path / cell.path, cell.configuration, "multi_turn", cell.context, 4, ttft_s=0.2,
                            interval_s=0.005, turns=3, hit_rate=0.7 if cell.configuration == "prefix_cache" else 0.0,
                            preemptions=3)  # fmt: skip
-    tables = run_aggregate(experiment, cells, tmp_path)
+    return run_aggregate(experiment, cells, tmp_path)
+
+
+def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo_grid, tmp_path):  # noqa: F811
+    """Both configurations' multi-turn cells at 4 sessions ran into the KV capacity (preemptions): the verdict's
+    KV row says neither, with the servers' pool and the most tokens those cells held at once (the seed's third
+    row and its explanation)."""
+    from servegrid.report_data import ReportData
+
+    experiment, cells = demo_grid
+    tables = with_a_kv_limited_corner(experiment, cells, tmp_path)
     (kv_row,) = tables["verdict"][tables["verdict"]["outcome"] == "kv_limit"].to_dict("records")
     assert (kv_row["min_context"], kv_row["min_concurrency"]) == (1024, 4)
     data = ReportData(experiment, tables["summary"], tables["comparisons"], tables["servers"],
@@ -179,3 +186,56 @@ def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo
     assert "um pool de KV cache de 262.144 tokens, contra até 4.224 tokens vivos ao mesmo tempo" in verdict
     conclusion = html.split('id="conclusion"')[1].split("</section>")[0]
     assert "A partir de 1.024 tokens com 4 sessões concorrentes" in conclusion
+
+
+def test_a_large_grids_pdf_lists_only_the_cells_that_need_a_look(demo_grid, tmp_path, monkeypatch):  # noqa: F811
+    """Over PRINT_EVERY_CELL_UP_TO cells the printed details keep the cells that need a look (here the
+    KV-limited corner) and say where the rest are; the HTML's details keep every cell."""
+    from servegrid import report_data
+
+    experiment, cells = demo_grid
+    tables = with_a_kv_limited_corner(experiment, cells, tmp_path)
+    summary = tables["summary"]
+    flagged = set(summary.loc[summary["kv_limited"], "cell_id"])
+    assert flagged and len(flagged) < len(summary)
+    monkeypatch.setattr(report_data, "PRINT_EVERY_CELL_UP_TO", len(summary) - 1)
+
+    def details(medium: str) -> str:
+        data = report_data.ReportData(experiment, summary, tables["comparisons"], tables["servers"],
+                                      verdict=tables["verdict"], crossovers=tables["crossovers"],
+                                      production=tables["production"])  # fmt: skip
+        html = report.render_html(experiment, "pt", data, tmp_path / "no-figures", medium,
+                                  report.provenance(experiment))  # fmt: skip
+        return html.split('id="details"')[1].split("</section>")[0]
+
+    def listed(section: str) -> set[str]:
+        gates = section.split('class="grid gates"')[1]
+        return {code.replace("<wbr>", "") for code in re.findall(r"<td><code>(.*?)</code></td>", gates)}
+
+    printed, screen = details("print"), details("screen")
+    assert listed(printed) == flagged
+    assert f"Este grid tem {len(summary)} células" in printed and f"só as {len(flagged)} que pedem atenção" in printed
+    assert 'class="grid groups"' not in printed  # every compared group: in the HTML only
+    assert listed(screen) == set(summary["cell_id"])
+    assert "Este grid tem" not in screen and 'class="grid groups"' in screen
+
+
+def test_a_figure_of_one_panel_per_context_shows_at_most_six_and_says_which(demo_raw):
+    import pandas as pd
+    from babel import Locale
+
+    from servegrid.config import Experiment
+    from servegrid.report_data import ReportData
+
+    portuguese = Locale.parse("pt_BR")
+    assert figure_list.shown_contexts(list(range(13))) == [0, 2, 5, 7, 10, 12]  # both ends, evenly between
+    assert figure_list.shown_contexts([256, 1024]) == [256, 1024]
+    experiment = Experiment(demo_raw)
+    contexts = [256 * (i + 1) for i in range(13)]
+    summary = pd.DataFrame({"mode": ["decode"] * 13, "context": contexts})
+    data = ReportData(experiment, summary, pd.DataFrame(), pd.DataFrame(), formatter=catalogues.Formatter(portuguese))
+    by_concurrency, pareto = modes.get("decode").figures
+    assert data.panels_shown("decode", by_concurrency) == {"shown": "256, 768, 1.536, 2.048, 2.816, 3.328",
+                                                          "total": "13"}  # fmt: skip
+    assert data.panels_shown("decode", pareto) is not None
+    assert data.panels_shown("single_turn", by_concurrency) is None  # no cells of that mode: nothing left out

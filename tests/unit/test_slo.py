@@ -31,35 +31,54 @@ def test_objectives_are_read_as_written_and_kept_in_seconds():
     assert (ttft.metric, ttft.percentile, ttft.limit_s) == ("ttft", 99, 2.0)
 
 
+def thrice(values: list[float]) -> list[float]:
+    """Each value three times: 30 requests, the fewest a p90 objective is judged from."""
+    return [v for v in values for _ in range(3)]
+
+
 def test_attainment_goodput_and_whether_the_cell_meets_them():
-    ttft = [0.1 * i for i in range(1, 11)]  # 0.1 … 1.0 s
-    frame = requests(ttft, [0.01] * 10)
-    columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.85}), duration_s=4.0)
-    # 8 of 10 requests within 0.85 s, not 9 of 10: the cell does not meet a p90 objective, but a p80 one.
+    ttft = thrice([0.1 * i for i in range(1, 11)])  # 0.1 … 1.0 s
+    frame = requests(ttft, [0.01] * 30)
+    columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.85}), duration_s=12.0)
+    # 24 of 30 requests within 0.85 s, not 27: the cell does not meet a p90 objective, but a p80 one.
     assert columns["slo_attainment"] == pytest.approx(0.8) and columns["goodput_rps"] == pytest.approx(2.0)
     assert columns["slo_met"] is False
     assert columns["slo_attainment_ci_low"] < 0.8 < columns["slo_attainment_ci_high"]  # Wilson interval
-    assert slo.cell_columns(frame, objectives({"ttft_p80_s": 0.85}), 4.0)["slo_met"] is True
+    assert slo.cell_columns(frame, objectives({"ttft_p80_s": 0.85}), 12.0)["slo_met"] is True
 
 
 def test_a_failed_request_meets_no_objective_and_every_objective_must_hold():
-    frame = requests([0.1] * 10, [0.01] * 9 + [0.2], errors={0})
-    columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.5, "tpot_p80_ms": 50}), duration_s=2.0)
-    # request 0 failed, request 9 is too slow per token: 8 of 10 meet both; 9 of 10 the TTFT objective
+    frame = requests([0.1] * 30, thrice([0.01] * 9 + [0.2]), errors={0, 1, 2})
+    columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.5, "tpot_p80_ms": 50}), duration_s=6.0)
+    # 3 requests failed, 3 are too slow per token: 24 of 30 meet both; 27 of 30 the TTFT objective
     assert columns["slo_attainment"] == pytest.approx(0.8) and columns["goodput_rps"] == pytest.approx(4.0)
     assert columns["slo_met"] is True
-    assert slo.cell_columns(frame, objectives({"tpot_p90_ms": 50}), 2.0)["slo_met"] is False
-    one_more = requests([0.1] * 10, [0.01] * 9 + [0.2], errors={0, 1})
-    assert slo.cell_columns(one_more, objectives({"ttft_p90_s": 0.5}), 2.0)["slo_met"] is False
+    assert slo.cell_columns(frame, objectives({"tpot_p90_ms": 50}), 6.0)["slo_met"] is False
+    three_more = requests([0.1] * 30, thrice([0.01] * 9 + [0.2]), errors=set(range(6)))
+    assert slo.cell_columns(three_more, objectives({"ttft_p90_s": 0.5}), 6.0)["slo_met"] is False
 
 
 def test_a_cell_meets_a_percentile_objective_when_that_share_of_requests_is_within_it():
-    """The inverted-CDF percentile: 9 of 10 within 50 ms meets p90 ≤ 50 ms, although numpy's interpolated p90
-    (the summary's column) of these values is 64 ms."""
-    frame = requests([0.1] * 10, [0.010] * 8 + [0.049, 0.200])
+    """The inverted-CDF percentile: 27 of 30 within 50 ms meets p90 ≤ 50 ms, although numpy's interpolated p90
+    (the summary's column) of these values is above 50 ms."""
+    frame = requests([0.1] * 30, thrice([0.010] * 8 + [0.049, 0.200]))
     assert np.percentile(frame["tpot_s"], 90) > 0.050
     assert slo.cell_columns(frame, objectives({"tpot_p90_ms": 50}), 1.0)["slo_met"] is True
-    assert slo.cell_columns(frame, objectives({"tpot_p95_ms": 50}), 1.0)["slo_met"] is False
+    sixty = pd.concat([frame, frame], ignore_index=True)  # a p95 objective is judged from 60 requests
+    assert slo.cell_columns(sixty, objectives({"tpot_p95_ms": 50}), 1.0)["slo_met"] is False
+
+
+def test_an_objective_is_not_judged_from_fewer_requests_than_its_percentile_needs():
+    """p90 from 30 requests, p95 from 60 (servegrid.sampling.MIN_SAMPLES_FOR): below, slo_met is None, while
+    the attainment (a share with its interval) is still reported."""
+    frame = requests([0.1] * 29, [0.01] * 29)
+    columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.5}), 1.0)
+    assert columns["slo_met"] is None and columns["slo_attainment"] == 1.0
+    assert columns["slo_attainment_ci_low"] < 1.0
+    full = requests([0.1] * 30, [0.01] * 30)
+    assert slo.cell_columns(full, objectives({"ttft_p90_s": 0.5}), 1.0)["slo_met"] is True
+    assert slo.cell_columns(full, objectives({"ttft_p90_s": 0.5, "tpot_p95_ms": 50}), 1.0)["slo_met"] is None
+    assert slo.cell_columns(requests([0.1] * 6, [0.01] * 6), objectives({"ttft_p50_s": 0.5}), 1.0)["slo_met"]
 
 
 def test_no_objectives_no_columns():
@@ -104,6 +123,14 @@ def test_an_invalid_cell_ends_the_run_of_levels_without_counting_as_a_failure():
     rows.loc[rows["concurrency"] == 2, ["valid", "slo_met"]] = [True, False]
     (row,) = slo.production(rows, ["a"], ["decode"]).to_dict("records")
     assert (row["sustained_concurrency"], row["stopped_by"], row["non_monotone"]) == (1, "objectives", True)
+
+
+def test_a_cell_with_too_few_requests_for_the_objectives_ends_the_run_of_levels_unjudged():
+    rows = summary([("a", 1, True, 1.0), ("a", 2, True, 1.5), ("a", 4, True, 2.0)])
+    rows["slo_met"] = rows["slo_met"].astype(object)
+    rows.loc[rows["concurrency"] == 2, "slo_met"] = None
+    (row,) = slo.production(rows, ["a"], ["decode"]).to_dict("records")
+    assert (row["sustained_concurrency"], row["stopped_by"], row["met"]) == (1, "too_few", "1,4")
 
 
 def test_equal_sustained_concurrency_goes_to_the_higher_goodput_and_invalid_cells_never_count():

@@ -13,6 +13,7 @@ rule cell:
         "../../envs/pipeline.yaml"
     resources:
         **device_slots(),
+        **slurm_job(cell_runtime_s, keeps_the_server=True),
     params:
         settings=cell_settings,
     script:

@@ -4,9 +4,10 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from servegrid import paths
+from servegrid import cluster, paths
 from servegrid import server as servers
 from servegrid.config import Experiment, canonical_json
+from servegrid.errors import ServerError
 from servegrid.figure_list import figure_paths
 from servegrid.procs import ProcessRef
 from servegrid.schema import read_yaml
@@ -29,9 +30,27 @@ REPORT_TEMPLATES = sorted(
     str(p) for p in Path("report/templates").rglob("*") if p.is_file()
 )
 
+
+def inherited_owner():
+    """The owner a job's own Snakemake (not the user's) inherits, if that process is alive on this host.
+
+    Inside a Slurm group job, Snakemake starts one Snakemake per job (per cell): owning the server,
+    each would take it down as its cell ends, and the next cell would start another. They keep the
+    owner they inherit: the group's Snakemake on the node (or, where the node is the submitting
+    host, the user's Snakemake), which lives until the group's last job.
+    """
+    if not (workflow.remote_exec or workflow.subprocess_exec):
+        return None
+    try:
+        return servers.owner_from_env()
+    except ServerError:  # not alive here: another host's, or gone
+        return None
+
+
 # Servers that this run's cells start belong to this Snakemake process: their
 # supervisors take them down if it disappears, even by SIGKILL.
-os.environ[servers.OWNER_ENV] = servers.owner_token(ProcessRef.of(os.getpid()))
+if inherited_owner() is None:
+    os.environ[servers.OWNER_ENV] = servers.owner_token(ProcessRef.of(os.getpid()))
 
 
 wildcard_constraints:
@@ -81,7 +100,14 @@ def as_params(section):
 def device_slots():
     """Snakemake resources that keep one cell per device at a time: gpu<i> for every GPU a
     configuration names, cpu_server for configurations without GPUs. Their limits (1 each)
-    come from the workflow profile profiles/default, which Snakemake loads by itself."""
+    come from the workflow profile profiles/default, which Snakemake loads by itself (it
+    replaces any other profile's resources: profiles/slurm cannot change them).
+
+    Under profiles/slurm they also keep a configuration's cells one after another inside its
+    group job, which is what makes Snakemake add up their runtime and count its GPUs once
+    (servegrid.cluster); and configurations that name a common GPU index (or no GPU) wait for
+    each other there too, as on one host: distinct indices let Slurm run them side by side.
+    """
 
     def uses(gpu):
         return lambda wildcards: int(
@@ -94,6 +120,42 @@ def device_slots():
         not EXPERIMENT.configuration(wildcards.configuration).gpus
     )
     return slots
+
+
+def slurm_job(runtime_s, keeps_the_server=False):
+    """What each job of a configuration's group asks Slurm for (only the Slurm executor reads these):
+    the configuration's GPUs and CPUs by count (servegrid.placement picks them inside the job) and this
+    job's share of the group's time limit, ``runtime_s(wildcards)`` in seconds.
+
+    ``keeps_the_server``: inside the group's allocation Snakemake's jobstep plugin (0.6.x) runs each job as
+    an srun step of its own, and under proctrack/cgroup (most clusters) a step's processes die when it
+    ends: the server the first cell starts would die with that cell. A job with an ``mpi`` resource it
+    runs in the allocation's batch step instead (no srun), whose processes live until the Slurm job ends;
+    the empty value asks for no MPI launcher and the submitting plugin ignores it
+    (tests/slurm/test_slurm_pipeline.py: one server per configuration's job)."""
+    resources = {
+        "gpu": lambda wildcards: cluster.gpus(EXPERIMENT, wildcards.configuration),
+        "cpus_per_task": lambda wildcards: cluster.cpus_per_task(
+            EXPERIMENT, wildcards.configuration
+        ),
+        "runtime": lambda wildcards: cluster.minutes(runtime_s(wildcards)),
+    }
+    if keeps_the_server:
+        resources["mpi"] = ""
+    return resources
+
+
+def cell_runtime_s(wildcards):
+    return cluster.cell_time_limit_s(EXPERIMENT, cell_of(wildcards))
+
+
+def startup_runtime_s(wildcards):
+    # The first cell starts the server; its allowance is booked on the spec, the group's first job.
+    return EXPERIMENT.operations.startup_timeout_s + cluster.CELL_OVERHEAD_S
+
+
+def shutdown_runtime_s(wildcards):
+    return EXPERIMENT.operations.shutdown_timeout_s + cluster.CELL_OVERHEAD_S
 
 
 # Snakemake runs the highest priority ready job first: per configuration, its

@@ -1,4 +1,4 @@
-"""Summary table → figures, per language (PNG for the HTML report, SVG for the PDF)."""
+"""Summary table → figures, per language (PNG, for the HTML and the PDF report alike)."""
 
 
 rule figures:

@@ -2,6 +2,9 @@
 
 if EXPERIMENT.tiny_model_spec() is not None:
 
+    localrules:
+        tiny_model,
+
     rule tiny_model:
         output:
             directory(EXPERIMENT.model.path),

@@ -19,6 +19,7 @@ rule server_spec:
     # written first would otherwise get the device before an earlier one, whose server then interrupts it.
     resources:
         **device_slots(),
+        **slurm_job(startup_runtime_s),
     params:
         spec=launch_spec,
     script:
@@ -35,5 +36,8 @@ rule server_stop:
     priority: stop_priority
     conda:
         "../../envs/pipeline.yaml"
+    resources:
+        **device_slots(),
+        **slurm_job(shutdown_runtime_s),
     script:
         "../scripts/stop_server.py"

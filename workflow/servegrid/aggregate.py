@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from servegrid import atomic, metrics, modes, records, slo, stats, verdict
+from servegrid import atomic, metrics, modes, records, sampling, slo, stats, verdict
 from servegrid.config import Experiment, Validity
 from servegrid.errors import CellFileError
 
@@ -93,7 +93,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     measured = frame[frame["phase"] == "measured"]
     valid = measured[measured["valid"]]
     primary = mode.primary
-    primary_rows = valid if primary.turn is None else valid[valid["turn"] == primary.turn]
+    primary_rows = primary.rows(measured)
     # Labels are presentation (the figures' and the report's, from the config): no label in the tables.
     conf = experiment.configurations.get(cell["configuration"])
     server = meta["server"]
@@ -113,14 +113,16 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         "duration_s": meta.get("duration_s"),
         "primary_metric": primary.metric,
         "primary_higher_is_better": primary.higher_is_better,
-        "primary_n": len(primary_rows),
     }
     values = primary_rows[primary.column].to_numpy(dtype=float)
+    row["primary_n"] = int(np.count_nonzero(~np.isnan(values)))  # the samples, as sequential sampling counts them
     row.update(slo.cell_columns(measured, experiment.slo.get(cell["mode"], ()), meta.get("duration_s")))
     row["primary_p50"] = stats.percentiles(values)["p50"]
-    row["primary_ci_low"], row["primary_ci_high"] = stats.median_ci(values)
-    by_repeat = [
-        stats.percentiles(g[primary.column].to_numpy(dtype=float))["p50"] for _, g in primary_rows.groupby("repeat")
+    row["primary_ci_low"], row["primary_ci_high"] = stats.median_interval(values)
+    row.update(sampling_columns(meta, row))
+    by_repeat = [  # a diagnostic of drift between repeats: from any number of samples
+        stats.percentiles(g[primary.column].to_numpy(dtype=float), (50,), enough_only=False)["p50"]
+        for _, g in primary_rows.groupby("repeat")
     ]
     by_repeat = [v for v in by_repeat if v is not None]
     row["n_repeats"] = int(measured["repeat"].nunique()) if len(measured) else 0
@@ -131,19 +133,20 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         for name, value in stats.percentiles(values).items():
             row[f"{column}_{name}"] = value
         if column in ("ttft_s", "tpot_s", "e2e_s", "decode_tps"):
-            row[f"{column}_p50_ci_low"], row[f"{column}_p50_ci_high"] = stats.median_ci(values)
+            row[f"{column}_p50_ci_low"], row[f"{column}_p50_ci_high"] = stats.median_interval(values)
     itl = [per_token_itl(t, k) for t, k in zip(valid["chunk_times_s"], valid["chunk_tokens"], strict=True)]
     gaps = [np.diff(np.asarray(t, dtype=float)) for t in valid["chunk_times_s"] if len(t) > 1]
     for prefix, parts in (("itl_token_s", itl), ("chunk_gap_s", gaps)):
         flat = np.concatenate(parts) if parts else np.empty(0)
-        for name, value in stats.percentiles(flat).items():
-            row[f"{prefix}_{name}"] = value
+        # Gaps within one request are not independent samples: the tail rule counts requests here.
+        for name, value in stats.percentiles(flat, enough_only=False).items():
+            allowed = sampling.tail_allowed(len(valid), int(name[1:]) / 100)
+            row[f"{prefix}_{name}"] = value if allowed else None
     row["tokens_per_chunk_mean"] = float(valid["tokens_per_chunk"].mean()) if len(valid) else None
-    if len(valid):
-        window = valid["end_s"].max() - valid["sent_s"].min()
-        row["output_tps_total"] = float(valid["output_tokens_reported"].sum() / window) if window > 0 else None
-    else:
-        row["output_tps_total"] = None
+    # Per second of the measured phase (its stages, without the pauses between them, and every repeat).
+    active_s = meta.get("duration_s")
+    tokens = valid["output_tokens_reported"].sum()
+    row["output_tps_total"] = float(tokens / active_s) if len(valid) and active_s and active_s > 0 else None
     # Every mode's own columns in every row, so the table has one schema: None where not applicable.
     row.update(dict.fromkeys(c for m in modes.registered() for c in m.summary_columns))
     row.update(mode.extra_columns(valid, frame))
@@ -185,7 +188,10 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["client_loop_lag_max_s"] = client.get("loop_lag_max_s")
     row["client_cpu_fraction"] = client.get("cpu_fraction")
     row["client_cpus"] = ",".join(str(c) for c in client.get("cpus") or [])
-    row["sends_slipped"] = bool((row["send_delay_s_p99"] or 0) > validity.max_send_delay_s)
+    # A check, not a figure: judged on the raw p99 from any number of requests (the reported column is only
+    # filled from 300 on), since a few late sends already mean the client did not keep its schedule.
+    send_delay = stats.percentiles(valid["send_delay_s"].to_numpy(dtype=float), (99,), enough_only=False)["p99"]
+    row["sends_slipped"] = bool((send_delay or 0) > validity.max_send_delay_s)
     row["client_bottleneck"] = bool(
         (row["client_loop_lag_p99_s"] or 0) > validity.max_loop_lag_s
         or (row["client_cpu_fraction"] or 0) >= validity.max_client_cpu
@@ -206,7 +212,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
         )
     if row["sends_slipped"]:
         reasons.append(
-            f"sends slipped: p99 {row['send_delay_s_p99'] * 1e3:.1f} ms after they were due "
+            f"sends slipped: p99 {(send_delay or 0) * 1e3:.1f} ms after they were due "
             f"(limit {validity.max_send_delay_s * 1e3:.1f} ms)"
         )
     if row["client_bottleneck"]:
@@ -215,6 +221,23 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["invalid_reasons"] = "; ".join(reasons)
     row["valid"] = not reasons
     return row
+
+
+def sampling_columns(meta: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """How a cell's sampling went: why it stopped, its target, the reported interval's relative half-width
+    (its wider side) and whether it reached the target (None: a fixed count, no target; docs/sampling.md)."""
+    sampled = meta.get("sampling") or {}
+    rule = sampled.get("rule") or {}
+    median, low, high = row["primary_p50"], row["primary_ci_low"], row["primary_ci_high"]
+    relative = None
+    if median and low is not None and high is not None:
+        relative = float(max(median - low, high - median) / abs(median))
+    return {
+        "sampling_reason": sampled.get("reason"),
+        "sampling_target_rel_ci": rule.get("target_rel_ci"),
+        "primary_rel_ci": relative,
+        "precise": None if not rule else sampled.get("reason") == "precise",
+    }
 
 
 def cache_contradicts(expected: float, measured: float | None, validity: Validity) -> bool:
@@ -238,25 +261,32 @@ def peak_tokens_asked(measured: pd.DataFrame, concurrency: int) -> int | None:
 def kv_limited(row: dict[str, Any], concurrency: int = 1) -> bool:
     """The cell ran into the KV-cache capacity: preemptions, a full pool, or requests queued for capacity
     while the pool's free part could not hold the cell's longest request (at most 90% used: a sampled gauge
-    misses the peak). Seen on the CPU demo's 9,216-token pool: multi-turn at 2,048 tokens × 4 sessions
-    queued requests at a peak usage of 77-89%, with requests of 2,618 tokens (28% of the pool)."""
+    misses the peak) or the cell's live tokens exceed the whole pool. Seen on the CPU demo's 9,216-token
+    pool: multi-turn at 2,048 tokens × 4 sessions queued requests at a peak usage of 77-89%, with requests
+    of 2,618 tokens (28% of the pool)."""
     usage = row.get("server_kv_cache_usage_perc_max") or 0.0
     waiting = row.get("server_num_requests_waiting_capacity_max") or 0.0
     pool, asked = row.get("kv_cache_tokens"), row.get("peak_tokens_asked")
     crowded = 0.9
     if pool and asked and not stats.missing(pool) and not stats.missing(asked):
         crowded = min(crowded, 1.0 - asked / max(1, concurrency) / float(pool))
-    return bool((row.get("server_preemptions") or 0) > 0 or usage >= 0.98 or (waiting > 0 and usage >= crowded))
+    # Requests waited, and the cell's live tokens cannot all fit the pool: limited, whatever the sampled
+    # usage caught (a 6-s demo cell has six gauge samples; seen 2026-12-02: peak sampled at 69% with
+    # 4 x 2,618 tokens asked of a 9,216-token pool).
+    overflow = bool(pool and asked and not stats.missing(pool) and not stats.missing(asked) and asked > pool)
+    return bool(
+        (row.get("server_preemptions") or 0) > 0 or usage >= 0.98 or (waiting > 0 and (usage >= crowded or overflow))
+    )
 
 
 def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experiment) -> pd.DataFrame:
     rows = []
+    # Each cell's rows found once, by one grouping: a mask over every row per cell grew with the square of the grid.
+    by_cell = {key: frame for key, frame in df.groupby(CELL_KEYS, sort=False)} if len(df) else {}
     for meta in metas:
         cell = meta["cell"]
-        mask = np.ones(len(df), dtype=bool)
-        for key in CELL_KEYS:
-            mask &= (df[key] == cell[key]).to_numpy()
-        rows.append(_cell_summary(df[mask], meta, experiment))
+        frame = by_cell.get(tuple(cell[key] for key in CELL_KEYS), df.iloc[0:0])
+        rows.append(_cell_summary(frame, meta, experiment))
     summary = pd.DataFrame(rows)
     if not summary.empty:
         summary = summary.sort_values(CELL_KEYS, key=_grid_order(experiment)).reset_index(drop=True)

@@ -90,7 +90,7 @@ class ClientMonitor:
         self._wall_total += time.monotonic() - self._wall_start
 
     def summary(self) -> dict[str, float | int | None]:
-        lags = stats.percentiles(self.lags, (50, 99))
+        lags = stats.percentiles(self.lags, (50, 99), enough_only=False)  # a warning sign, even from few
         return {
             "loop_lag_samples": len(self.lags),
             "loop_lag_p50_s": lags["p50"],

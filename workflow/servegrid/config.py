@@ -24,6 +24,7 @@ from typing import Any
 
 from servegrid import checks, engines, modes, paths, redact
 from servegrid.errors import ConfigError
+from servegrid.sampling import SamplingRule
 from servegrid.schema import read_yaml, validate
 from servegrid.sections import (
     ClassRule,
@@ -38,6 +39,8 @@ from servegrid.sections import (
     Workload,
     localized,
     objectives,
+    rule_fields,
+    sampling_rules,
     section,
 )
 
@@ -45,7 +48,7 @@ __all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Va
 
 
 # Bump when the way a cell is measured changes: every cell reruns.
-MEASUREMENT_VERSION = 4  # 4: /metrics parsed after the measured phase, not during it
+MEASUREMENT_VERSION = 5  # 5: the measured phase in stages (sequential sampling); 4: /metrics parsed afterwards
 
 # Keys of a workload section that place it in the grid rather than shape what a cell measures.
 GRID_KEYS = ("enabled", "contexts", "concurrency")
@@ -84,15 +87,27 @@ class Experiment:
             name: section(Configuration, conf, name=name) for name, conf in r["configurations"].items()
         }
         self.temperature: float = r["sampling"]["temperature"]
+        enabled = [m for m in modes.names() if (w := r["workloads"].get(m)) is not None and w["enabled"]]
+        try:
+            self.sampling_rules: dict[str, SamplingRule | None] = sampling_rules(raw, r, enabled)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
         self.workloads: dict[str, Workload] = {
             mode: Workload(
                 mode=mode,
                 contexts=tuple(written["contexts"]),
                 concurrency=tuple(written["concurrency"]),
-                settings={k: v for k, v in written.items() if k not in GRID_KEYS},
+                # A mode's sampling keys are resolved into sampling_rules; a sequential cell has no fixed
+                # count or time limit, so those defaults are not part of what it measures.
+                settings={
+                    k: v
+                    for k, v in written.items()
+                    if k not in (*GRID_KEYS, "sampling")
+                    and not (self.sampling_rules[mode] and k in ("requests_per_session", "duration_s"))
+                },
             )
-            for mode in modes.names()
-            if (written := r["workloads"].get(mode)) is not None and written["enabled"]
+            for mode in enabled
+            if (written := r["workloads"][mode]) is not None
         }
         self.operations: Operations = section(Operations, r["operations"])
         self.validity: Validity = section(Validity, r["validity"])
@@ -136,7 +151,15 @@ class Experiment:
 
     def cell(self, configuration: str, mode: str, context: int, concurrency: int) -> Cell:
         wanted = Cell(configuration, mode, int(context), int(concurrency))
-        if wanted not in self.cells():
+        # Checked in place, not against self.cells(): Snakemake asks once per cell job, and rebuilding the
+        # grid each time made the DAG grow with the square of the grid (docs/scale.md).
+        workload = self.workloads.get(mode)
+        if not (
+            configuration in self.configurations
+            and workload is not None
+            and wanted.context in workload.contexts
+            and wanted.concurrency in workload.concurrency
+        ):
             raise ConfigError(f"{self.source}: cell {wanted.id} is not in the grid")
         return wanted
 
@@ -194,7 +217,7 @@ class Experiment:
             "context": cell.context,
             "concurrency": cell.concurrency,
             "workload": dict(self.workload(cell.mode).settings),
-            "sampling": {"temperature": self.temperature},
+            "sampling": {"temperature": self.temperature, "rule": rule_fields(self.sampling_rules[cell.mode])},
         }
 
     def label(self, name: str, lang: str) -> str:
@@ -240,6 +263,7 @@ class Experiment:
             "baseline": self.baseline(),
             "slo": self.raw["slo"],  # the objectives the production section prints
             "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
+            "sampling": {mode: rule_fields(self.sampling_rules[mode]) for mode in self.workloads},  # the rules shown
             "min_factor": self.verdict.min_factor,
             "client_cpus": list(self.operations.client_cpus),
         }

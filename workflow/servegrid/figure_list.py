@@ -7,7 +7,8 @@ figure file before anything runs, so the DAG is built without matplotlib.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from servegrid import modes
 from servegrid.modes.base import N_, FigureSpec
@@ -15,7 +16,11 @@ from servegrid.modes.base import N_, FigureSpec
 if TYPE_CHECKING:
     from servegrid.config import Experiment
 
-FORMATS = ("png", "svg")  # PNG for the HTML report, SVG (vector) for the PDF
+# One raster format for both reports. SVG in the PDF cost more than drawing the figures: WeasyPrint paints an
+# SVG node by node in Python (21 of 60 s of a 192-cell report; docs/scale.md), and at 200 dpi a figure stays
+# sharp in print (a wide figure is printed smaller, and so finer).
+FORMATS = ("png",)
+FIGURE_DPI = 200
 
 # Figures of the whole run, after the modes' own.
 RUN_FIGURES = (
@@ -52,6 +57,23 @@ GOODPUT_FIGURE = FigureSpec(
         "objectives behind."
     ),
 )
+
+
+# Figures of one panel per context show at most this many (the smallest, the largest, and evenly spaced ones
+# between): thirteen panels in a row make a figure 52 inches wide, unreadable on a page and slow to draw. The
+# tables show every context; the report's caption says which ones the figure shows.
+PANEL_KINDS = ("primary_by_concurrency", "throughput_latency")
+MAX_CONTEXT_PANELS = 6
+
+
+def shown_contexts(measured: Iterable[Any]) -> list[int]:
+    """Of the ``measured`` contexts (any order, numpy integers too), those a figure of one panel per context
+    shows, in ascending order."""
+    contexts = sorted({int(c) for c in measured})
+    if len(contexts) <= MAX_CONTEXT_PANELS:
+        return contexts
+    last = len(contexts) - 1
+    return [contexts[round(i * last / (MAX_CONTEXT_PANELS - 1))] for i in range(MAX_CONTEXT_PANELS)]
 
 
 def run_figures(experiment: Experiment) -> tuple[FigureSpec, ...]:

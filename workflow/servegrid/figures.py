@@ -3,8 +3,8 @@
 One colour and one marker per configuration throughout (seaborn's colour-blind
 palette, in config order), so that lines stay apart in grey print; medians with
 their 95% bootstrap intervals as bands; numbers on the axes in the language's
-own format. Each figure is written as PNG (for the HTML report) and SVG
-(vector, for the PDF). Which figures exist is decided in
+own format. Each figure is written once, as PNG at
+:data:`~servegrid.figure_list.FIGURE_DPI`, for both reports. Which figures exist is decided in
 :mod:`servegrid.figure_list` (each mode declares its own); a figure's
 ``kind`` names the :class:`Painter` method that draws it.
 
@@ -33,7 +33,7 @@ from servegrid import atomic, modes, stats
 from servegrid.catalogues import format_number, load_catalog
 from servegrid.config import Experiment
 from servegrid.errors import ReportError
-from servegrid.figure_list import FORMATS, figure_specs
+from servegrid.figure_list import FIGURE_DPI, FORMATS, figure_specs, shown_contexts
 from servegrid.figures_run import RunFigures
 from servegrid.modes.base import FigureSpec
 
@@ -110,6 +110,13 @@ class Painter(RunFigures):
         invalid = rows[~rows["valid"].astype(bool)]
         if len(invalid):
             ax.scatter(invalid["concurrency"], invalid["primary_p50"], marker="x", s=90, color="black", zorder=5)
+        # A cell too small for a median (servegrid.sampling) has no point: a hollow marker on the axis says so.
+        few = rows[rows["primary_p50"].isna()]
+        if len(few):
+            on_axis = np.full(len(few), 0.04)  # in axes units: just above the x axis
+            ax.scatter(few["concurrency"], on_axis, transform=ax.get_xaxis_transform(), marker=marker, s=60,
+                       facecolors="none", edgecolors=[colour], linewidths=1.5, zorder=5, clip_on=False)  # fmt: skip
+            ax.scatter([], [], marker="o", facecolors="none", edgecolors="grey", label=self._("n too small"))
 
     def _legend_and_layout(self, fig: plt.Figure, bottom: float) -> None:
         """One legend for the figure, from every panel (a configuration missing from the first one is
@@ -147,7 +154,7 @@ class Painter(RunFigures):
         """The mode's primary figure vs concurrent sessions, one panel per context, one line per configuration."""
         ylabel = self._(modes.get(mode).primary.axis_label)
         data = self.summary[self.summary["mode"] == mode]
-        contexts = sorted(data["context"].unique()) or [0]
+        contexts = shown_contexts(data["context"].unique()) or [0]
         fig, axes = self._panels(len(contexts))
         for ax, context in zip(axes, contexts, strict=True):
             panel = data[data["context"] == context]
@@ -228,7 +235,7 @@ class Painter(RunFigures):
         """Total output tokens/s against decode tokens/s per session (the Pareto view), one panel per context,
         one curve per configuration through its concurrencies, each point labelled with its sessions."""
         data = self.summary[self.summary["mode"] == mode]
-        contexts = sorted(data["context"].unique()) or [0]
+        contexts = shown_contexts(data["context"].unique()) or [0]
         fig, axes = self._panels(len(contexts), height=3.9)
         for ax, context in zip(axes, contexts, strict=True):
             panel = data[data["context"] == context]
@@ -280,7 +287,7 @@ def draw_all(
         for ext in FORMATS:
             target = out_dir / f"{spec.name}.{ext}"
             with atomic.atomic_path(target) as tmp:
-                fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=_deterministic_metadata(ext))
+                fig.savefig(tmp, format=ext, dpi=FIGURE_DPI, bbox_inches="tight", metadata=_deterministic_metadata(ext))
             written.append(target)
         plt.close(fig)
     return written

@@ -15,11 +15,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib.colors import Normalize
 from matplotlib.ticker import FuncFormatter
+from seaborn.utils import relative_luminance
 
 from servegrid import modes
 from servegrid.aggregate import per_token_itl
 from servegrid.config import Experiment
+from servegrid.figure_list import shown_contexts
 
 DASHES = ("-", "--", "-.", ":")  # for lines without markers (distributions)
 
@@ -106,7 +109,7 @@ class RunFigures:
             (mode, int(context))
             for mode in self.experiment.modes()
             if mode in self.experiment.slo
-            for context in sorted(self.summary.loc[self.summary["mode"] == mode, "context"].unique())
+            for context in shown_contexts(self.summary.loc[self.summary["mode"] == mode, "context"].unique())
         ]
         fig, axes, rows_n = self._wrapped(len(panels))
         for ax, (mode, context) in zip(axes, panels, strict=False):
@@ -161,18 +164,37 @@ class RunFigures:
                     ax.set_ylabel(ylabel)
                     ax.text(0.5, 0.5, self._("no valid cells to compare"), ha="center", va="center", color="#666666")
                     continue
-                grid_values = np.log2(ratios)
-                limit = max(1.0, float(np.nanmax(np.abs(grid_values.to_numpy()))))
-                annotations = ratios.map(lambda f: "" if f != f else self.number(f, 1) + "×")
-                sns.heatmap(grid_values, ax=ax, cmap="RdBu", center=0, vmin=-limit, vmax=limit, annot=annotations,
-                            fmt="", cbar=False, linewidths=0.5, linecolor="white")  # fmt: skip
+                self._heatmap(ax, ratios)
                 ax.set_xlabel(self._("concurrent sessions"))
                 ax.set_ylabel(ylabel)
-                ax.set_yticklabels([self.number(int(c), 0) for c in ratios.index], rotation=0)
         legend = self._("against %(baseline)s: blue better, red worse") % {"baseline": self.labels[baseline]}
         fig.text(0.5, 0.01, legend, ha="center", fontsize=9)
         fig.tight_layout(rect=(0, 0.04, 1, 1))
         return fig
+
+    def _heatmap(self, ax: plt.Axes, ratios: pd.DataFrame) -> None:
+        """The ratios as coloured cells on a log scale centred on 1×, each labelled with its factor, the first
+        row on top. Drawn with matplotlib's own mesh rather than seaborn's heatmap, which draws the whole figure
+        once per panel (to see whether its tick labels overlap): with one panel per mode and configuration the
+        figure took longer than all the others together (docs/scale.md)."""
+        values = np.log2(ratios.to_numpy(dtype=float))
+        limit = max(1.0, float(np.nanmax(np.abs(values))))
+        colours, scale = plt.get_cmap("RdBu"), Normalize(-limit, limit)
+        ax.pcolormesh(np.ma.masked_invalid(values), cmap=colours, norm=scale, edgecolors="white", linewidth=0.5)
+        rows, columns = values.shape
+        ax.set_xlim(0, columns)
+        ax.set_ylim(rows, 0)
+        ax.set_xticks(np.arange(columns) + 0.5, [self.number(int(c), 0) for c in ratios.columns],
+                      rotation=90 if columns > 8 else 0)  # fmt: skip
+        ax.set_yticks(np.arange(rows) + 0.5, [self.number(int(c), 0) for c in ratios.index])
+        ax.grid(False)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        for (row, column), value in np.ndenumerate(values):
+            if not np.isnan(value):  # dark text on light cells, white on dark ones (seaborn's own threshold)
+                light = relative_luminance(colours(scale(value))) > 0.408
+                ax.text(column + 0.5, row + 0.5, self.number(float(ratios.iat[row, column]), 1) + "×", ha="center",
+                        va="center", color=".15" if light else "w")  # fmt: skip
 
     @staticmethod
     def _ratios(valid: pd.DataFrame, mode: str, name: str, baseline: str) -> pd.DataFrame:

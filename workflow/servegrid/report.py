@@ -4,15 +4,15 @@ Every number in the document comes from this run's tables and is formatted
 with Babel for the report's locale (decimal comma, the locale's thousands
 separator, "1,9×"). The HTML is self-contained (figures embedded as data
 URIs, no external fetches); the PDF is the same document rendered by
-WeasyPrint, with vector figures and fonts shipped with matplotlib so that
-ő, ű, ã and ç render on any machine.
+WeasyPrint, with the same figures (PNG, see :data:`servegrid.figure_list.FORMATS`)
+and fonts shipped with matplotlib so that ő, ű, ã and ç render on any machine.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import re
+import struct
 import subprocess
 from datetime import UTC, datetime
 from importlib import metadata
@@ -27,7 +27,7 @@ from servegrid import atomic
 from servegrid.catalogues import REPORT_ROOT, Formatter, load_catalog
 from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ReportError
-from servegrid.figure_list import FORMATS, figure_specs
+from servegrid.figure_list import FIGURE_DPI, FORMATS, figure_specs
 from servegrid.report_data import ReportData
 
 TEMPLATES = REPORT_ROOT / "templates"
@@ -62,9 +62,8 @@ def read_table(path: str) -> pd.DataFrame:
         raise ReportError(f"{path}: cannot read the table ({exc}); run the aggregate step first") from exc
 
 
-def _figure_uri(path: Path, ext: str) -> str:
-    mime = {"png": "image/png", "svg": "image/svg+xml"}[ext]
-    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+def _figure_uri(path: Path) -> str:
+    return f"data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"
 
 
 # The print stylesheet caps a figure at 66 mm high; one drawn taller than this (several rows of panels: the
@@ -73,12 +72,14 @@ def _figure_uri(path: Path, ext: str) -> str:
 TALL_PT = 2 * 66 / 25.4 * 72
 
 
-def _is_tall(svg: Path) -> bool:
-    """Whether the figure's own height (its SVG's, in pt) is over :data:`TALL_PT`."""
-    with svg.open("rb") as handle:  # the size is in the opening tag: no need to read a whole figure
-        head = handle.read(2000).decode("utf-8", errors="replace")
-    size = re.search(r'<svg[^>]*\sheight="([\d.]+)pt"', head)
-    return bool(size) and float(size[1]) > TALL_PT
+def _is_tall(png: Path) -> bool:
+    """Whether the figure's own height (in pt, at the dpi it was drawn at) is over :data:`TALL_PT`."""
+    with png.open("rb") as handle:  # a PNG's size is in its header chunk: no need to read the whole figure
+        head = handle.read(24)
+    if head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        raise ReportError(f"{png}: not a PNG figure; run the figures step again")
+    (height_px,) = struct.unpack(">I", head[20:24])
+    return height_px / FIGURE_DPI * 72 > TALL_PT
 
 
 def environment(lang: str) -> tuple[jinja2.Environment, Formatter, Any]:
@@ -112,15 +113,11 @@ def render_html(
 ) -> str:
     env, fmt, translations = environment(lang)
     data.formatter, data.gettext, data.lang = fmt, translations.gettext, lang
-    ext = "png" if medium == "screen" else "svg"
-    assert ext in FORMATS
+    (ext,) = FORMATS
     figures = {
-        spec.name: {
-            "uri": _figure_uri(figures_dir / f"{spec.name}.{ext}", ext),
-            "tall": _is_tall(figures_dir / f"{spec.name}.svg"),
-        }
+        spec.name: {"uri": _figure_uri(path), "tall": _is_tall(path)}
         for _, spec in figure_specs(experiment)
-        if (figures_dir / f"{spec.name}.{ext}").exists()
+        if (path := figures_dir / f"{spec.name}.{ext}").exists()
     }
     font_dir = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
     return env.get_template("report.html.j2").render(

@@ -11,6 +11,7 @@ here, so that the template holds layout and words, never logic.
 from __future__ import annotations
 
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,13 @@ from babel import Locale
 from servegrid import engines, modes, redact, stats
 from servegrid.catalogues import Formatter
 from servegrid.config import Experiment, canonical_json
-from servegrid.figure_list import GOODPUT_FIGURE, run_figures
+from servegrid.figure_list import GOODPUT_FIGURE, MAX_CONTEXT_PANELS, PANEL_KINDS, run_figures, shown_contexts
 from servegrid.modes.base import FigureSpec, Mode
+
+# Up to this many cells the PDF's details list every cell, as the HTML's always do. A larger grid's would run
+# to hundreds of pages (287 at 2,028 cells, most of the PDF's time: docs/scale.md) that nobody reads on paper:
+# the PDF then lists the cells that need a look, and says where the rest are.
+PRINT_EVERY_CELL_UP_TO = 400
 
 
 class ReportData:
@@ -135,11 +141,34 @@ class ReportData:
         """Which footnotes the production tables need: a level met again after a failure, an invalid cell."""
         table = self.production
         if table.empty:
-            return {"non_monotone": False, "invalid": False}
+            return {"non_monotone": False, "invalid": False, "too_few": False}
         return {
             "non_monotone": bool(table["non_monotone"].astype(bool).any()),
             "invalid": bool((table["stopped_by"] == "invalid").any()),
+            "too_few": bool((table["stopped_by"] == "too_few").any()),
         }
+
+    def sampling_rows(self) -> list[dict[str, Any]]:
+        """Per mode measured: how its cells were sampled (its rule, or its fixed count) and how they ended."""
+        rows = []
+        for mode in self.experiment.modes():
+            cells = self.summary[self.summary["mode"] == mode] if len(self.summary) else self.summary
+            if cells.empty:
+                continue
+            reasons = cells["sampling_reason"].value_counts() if "sampling_reason" in cells else pd.Series()
+            samples = cells["primary_n"].astype(int)
+            rows.append(
+                {
+                    "mode": modes.get(mode),
+                    "rule": self.experiment.sampling_rules.get(mode),
+                    "per_session": self.experiment.workload(mode).settings.get("requests_per_session"),
+                    "cells": len(cells),
+                    **{reason: int(reasons.get(reason, 0)) for reason in ("precise", "max_samples", "max_duration")},
+                    "n_min": int(samples.min()),
+                    "n_max": int(samples.max()),
+                }
+            )
+        return rows
 
     def production_leaders(self) -> list[dict[str, Any]]:
         """Who wins the production table most often: per configuration, the mode × context rows it wins
@@ -219,6 +248,27 @@ class ReportData:
         """The run's figures shown across the grid: every run figure but goodput (the production section's)."""
         return tuple(spec for spec in run_figures(self.experiment) if spec is not GOODPUT_FIGURE)
 
+    def panels_shown(self, mode: str, spec: FigureSpec) -> dict[str, str] | None:
+        """For a figure of one panel per context that shows only some of them (figure_list.shown_contexts):
+        which ones, and of how many (formatted), said after its caption; None when it shows every one."""
+        measured = self.summary.loc[self.summary["mode"] == mode, "context"].unique()
+        shown = shown_contexts(measured)
+        if spec.kind not in PANEL_KINDS or len(shown) == len(measured):
+            return None
+        return {
+            "shown": ", ".join(self.formatter.integer(c) for c in shown),
+            "total": self.formatter.integer(len(measured)),
+        }
+
+    def goodput_panels_left_out(self) -> bool:
+        """Whether the goodput figure (a panel per workload with objectives and context) leaves contexts out."""
+        contexts = self.summary.groupby("mode")["context"].nunique() if len(self.summary) else pd.Series()
+        return any(contexts.get(mode, 0) > MAX_CONTEXT_PANELS for mode in self.experiment.slo)
+
+    @staticmethod
+    def max_context_panels() -> int:
+        return MAX_CONTEXT_PANELS
+
     def goodput_figure(self) -> FigureSpec | None:
         return GOODPUT_FIGURE if GOODPUT_FIGURE in run_figures(self.experiment) else None
 
@@ -229,8 +279,38 @@ class ReportData:
     def engine_name(self) -> str:
         return engines.get(self.experiment.engine.kind).display_name
 
-    def cells(self) -> list[dict[str, Any]]:
+    @cached_property
+    def _cell_records(self) -> list[dict[str, Any]]:
         return self.records(self.summary)
+
+    def cells(self) -> list[dict[str, Any]]:
+        return self._cell_records  # asked for by both media's renderings: made once
+
+    # ---- the details: every cell, or in a large grid's PDF those that need a look -------------------------
+    def details_abridged(self, medium: str) -> bool:
+        return medium == "print" and len(self.summary) > PRINT_EVERY_CELL_UP_TO
+
+    @staticmethod
+    def needs_a_look(cell: dict[str, Any]) -> bool:
+        """Invalid, imprecise (a ceiling reached first), at the KV limit, or too few samples for a median."""
+        precise = cell.get("precise")  # None (or NaN from Parquet): a fixed count, no target to reach
+        return (
+            not bool(cell.get("valid"))
+            or (not stats.missing(precise) and not bool(precise))
+            or bool(cell.get("kv_limited"))
+            or stats.missing(cell.get("primary_p50"))
+        )
+
+    def detail_cells(self, medium: str) -> list[dict[str, Any]]:
+        cells = self.cells()
+        return [c for c in cells if self.needs_a_look(c)] if self.details_abridged(medium) else cells
+
+    def detail_rows(self, rows: list[dict[str, Any]], medium: str) -> list[dict[str, Any]]:
+        """A mode's rows (:meth:`mode_rows`) as the details show them."""
+        if not self.details_abridged(medium):
+            return rows
+        kept = ({**row, "cells": {k: c for k, c in row["cells"].items() if self.needs_a_look(c)}} for row in rows)
+        return [row for row in kept if row["cells"]]
 
     def run_dates(self) -> tuple[datetime | None, datetime | None]:
         if self.summary.empty:
@@ -270,25 +350,33 @@ class ReportData:
 
     def mode_rows(self, mode: str) -> list[dict[str, Any]]:
         """Rows of (context, concurrency) with each configuration's cell and the comparison."""
-        cells = self.summary[self.summary["mode"] == mode]
-        comps = self.comparisons
         rows = []
-        for (context, concurrency), group in cells.groupby(["context", "concurrency"], sort=True):
-            by_conf = {r["configuration"]: r for r in group.to_dict("records")}
-            comp = None
-            if len(comps):
-                match = comps[
-                    (comps["mode"] == mode) & (comps["context"] == context) & (comps["concurrency"] == concurrency)
-                ]
-                comp = (
-                    match.iloc[0].to_dict() | {"winner_label": self.label(match.iloc[0]["winner"])}
-                    if len(match)
-                    else None
-                )
-            rows.append(
-                {"context": int(context), "concurrency": int(concurrency), "cells": by_conf, "comparison": comp}
-            )
+        for (context, concurrency), by_conf in self._cells_by_group.get(mode, {}).items():
+            comp = self._comparison_by_group.get((mode, context, concurrency))
+            comp = comp | {"winner_label": self.label(comp["winner"])} if comp is not None else None
+            rows.append({"context": context, "concurrency": concurrency, "cells": by_conf, "comparison": comp})
         return rows
+
+    # The template asks for a mode's rows several times (its section, the details, the objectives) and in both
+    # media: the tables are turned into rows once (a filter per row grew with the square of the grid).
+    @cached_property
+    def _cells_by_group(self) -> dict[str, dict[tuple[int, int], dict[str, dict[str, Any]]]]:
+        """mode → (context, concurrency) in order → configuration → its summary row."""
+        grouped: dict[str, dict[tuple[int, int], dict[str, dict[str, Any]]]] = {}
+        if self.summary.empty:
+            return grouped
+        for row in self.summary.sort_values(["context", "concurrency"], kind="stable").to_dict("records"):
+            key = (int(row["context"]), int(row["concurrency"]))
+            grouped.setdefault(row["mode"], {}).setdefault(key, {})[row["configuration"]] = row
+        return grouped
+
+    @cached_property
+    def _comparison_by_group(self) -> dict[tuple[str, int, int], dict[str, Any]]:
+        """(mode, context, concurrency) → the group's comparison row."""
+        found: dict[tuple[str, int, int], dict[str, Any]] = {}
+        for row in self.comparisons.to_dict("records") if len(self.comparisons) else []:
+            found.setdefault((row["mode"], int(row["context"]), int(row["concurrency"])), row)  # the first, as before
+        return found
 
     def verdict_rows(self) -> list[dict[str, Any]]:
         return [row | {"winner_label": self.label(row["winner"])} for row in self.records(self.comparisons)]

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from servegrid.errors import ConfigError
+from servegrid.sampling import SamplingRule
 
 
 def section(cls: type, data: Mapping[str, Any], **extra: Any) -> Any:
@@ -164,3 +167,48 @@ class Objective:
 
 def objectives(written: Mapping[str, float] | None) -> tuple[Objective, ...]:
     return tuple(Objective.parse(k, v) for k, v in sorted((written or {}).items()))
+
+
+# The sequential-sampling keys, in the top-level sampling section and in a mode's own (servegrid.sampling).
+RULE_KEYS = ("target_rel_ci", "min_samples", "max_samples", "max_duration_s")
+
+
+def rule_fields(rule: SamplingRule | None) -> dict[str, Any] | None:
+    return None if rule is None else asdict(rule)
+
+
+def sampling_rules(written: Mapping[str, Any], filled: Mapping[str, Any], enabled: list[str]) -> dict[str, Any]:
+    """Each enabled mode's sequential-sampling rule (None: a fixed count), its own keys over the top-level ones.
+
+    ``written`` is the config as given (before defaults), so that a fixed count or time limit the user wrote
+    next to sequential sampling is refused rather than silently ignored.
+    """
+    top = {key: filled["sampling"][key] for key in RULE_KEYS}
+    # The top-level keys first, named as such (a mode's rule may take any of them), whether or not a target is set.
+    SamplingRule(**{**top, "target_rel_ci": 0.05 if top["target_rel_ci"] is None else top["target_rel_ci"]})
+    rules: dict[str, SamplingRule | None] = {}
+    for mode in enabled:
+        settings = filled["workloads"][mode]
+        own = settings.get("sampling") or {}
+        merged = top | {key: own[key] for key in RULE_KEYS if key in own}
+        prefix = f"workloads.{mode}." if own else ""  # the top-level keys are sound: the mode's own are not
+        if merged["target_rel_ci"] is None:
+            rules[mode] = None
+            continue
+        try:
+            rules[mode] = SamplingRule(**merged)
+        except ConfigError as exc:
+            raise ConfigError(f"{prefix}{exc}") from None
+        as_written = (written.get("workloads") or {}).get(mode) or {}
+        for key, instead in (("requests_per_session", "min_samples/max_samples"), ("duration_s", "max_duration_s")):
+            if as_written.get(key) is not None:
+                raise ConfigError(
+                    f"workloads.{mode}.{key}: a fixed count or time limit, but this mode samples sequentially "
+                    f"(sampling.target_rel_ci is set): remove it, or set sampling.{instead}"
+                )
+        if settings["repeats"] > 1:
+            raise ConfigError(
+                f"workloads.{mode}.repeats: {settings['repeats']} repeats with sequential sampling "
+                "(sampling.target_rel_ci is set); a cell samples until precise in one run: use repeats: 1"
+            )
+    return rules

@@ -4,8 +4,9 @@ An objective is a percentile limit on one per-request latency, written as the co
 (``tpot_p90_ms: 50``: the 90th percentile of TPOT at most 50 ms). A request *meets* the objectives
 when every one of its latencies is within its limit (a failed request meets none); a cell *meets* them
 when, for each objective, at least its percentile's share of the cell's measured requests is within
-its limit (``p90``: 90% of them): the percentile in the inverted-CDF sense. (The summary's ``*_p90``
-columns interpolate linearly between requests, so on a small cell they can lie above a limit that
+its limit (``p90``: 90% of them): the percentile in the inverted-CDF sense. It is not judged (None) from
+fewer requests than the percentile needs (servegrid.sampling.MIN_SAMPLES_FOR: p90 30, p99 300). (The
+summary's ``*_p90`` columns interpolate linearly between requests, so they can lie above a limit that
 the cell meets by this rule.) Goodput is the requests that
 met every objective per second of the measured phase, as AIPerf and inference-perf define it.
 """
@@ -19,6 +20,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as scipy_stats
 
+from servegrid import sampling
 from servegrid.sections import Objective
 
 COLUMNS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}  # the per-request figures (servegrid.aggregate)
@@ -44,7 +46,13 @@ def cell_columns(requests: pd.DataFrame, goals: tuple[Objective, ...], duration_
     interval = scipy_stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
     # Each objective holds when at least its percentile's share of the requests is within its limit (p90: 90% of
     # them): the percentile in the inverted-CDF sense, never interpolated across a failed request.
-    cell_met = all(int(met_by_request(requests, (goal,)).sum()) * 100 >= goal.percentile * n for goal in goals)
+    cell_met: bool | None = all(
+        int(met_by_request(requests, (goal,)).sum()) * 100 >= goal.percentile * n for goal in goals
+    )
+    # Judged only from enough requests for each percentile (servegrid.sampling: p90 from 30, p99 from 300):
+    # with fewer, a cell could not miss a p99 objective by one slow request in a hundred.
+    if any(not sampling.tail_allowed(n, goal.percentile / 100) for goal in goals):
+        cell_met = None
     return {
         "slo_met": cell_met,
         "slo_attainment": k / n,
@@ -97,8 +105,11 @@ def _sustained(mode: str, context: int, name: str, cells: pd.DataFrame) -> dict[
     held = 0  # how many of the lowest levels meet the objectives, without a gap
     while held < len(meets) and meets[held]:
         held += 1
-    # What ends the run of levels: a cell that fails the objectives, or one that cannot be judged (invalid).
-    stopped_by = None if held == len(meets) else ("objectives" if valid[held] else "invalid")
+    # What ends the run of levels: a cell that fails the objectives, or one that cannot be judged (invalid,
+    # or too few requests for the objectives' percentiles).
+    stopped_by = None
+    if held < len(meets):
+        stopped_by = "invalid" if not valid[held] else "too_few" if records[held]["slo_met"] is None else "objectives"
     sustained = levels[held - 1] if held else None
     goodput = cells["goodput_rps"].iloc[held - 1] if held else None
     return {

@@ -1,6 +1,12 @@
-"""The runtime state store of the servers, under ``Runtime.state_dir`` (``results/.servegrid/``).
+"""The runtime state store of the servers, under ``Runtime.state_dir`` (``results/.servegrid/``), one folder per host.
 
-Per configuration it holds:
+A record names processes by pid, which mean something only on the host that started them: on a cluster whose
+nodes share ``results/``, every node keeps its own folder (``results/.servegrid/<host>/``), so a cell never
+finds, reuses or stops a server of another node. The locks that serialise decisions are not in that folder:
+``flock`` across NFS is not to be relied on, so they are files in this host's own claims directory
+(:func:`servegrid.hostlocks.lock_dir`, node-local), one set per state folder.
+
+Per configuration the host's folder holds:
 
 - ``<configuration>.json``: the server's record, written by its supervisor
   (pids, process group, port, status, exit code);
@@ -9,9 +15,9 @@ Per configuration it holds:
 - ``<configuration>.failed.json``: why its last start failed, and for whom;
 - ``<configuration>.launch.json``: what its supervisor launches (owner-only:
   it carries the environment, API key included);
-- ``<configuration>.lease``: the lock a cell holds while it uses the server;
+- (node-local) ``<configuration>.lease``: the lock a cell holds while it uses the server;
 
-plus one ``lock`` that serialises every decision about which servers run.
+plus, node-local, one lock that serialises every decision about which servers run.
 :class:`Runtime` says where that state lives and how servers are run;
 :class:`ServerFacts` is what a facts file holds.
 None of it is ever a Snakemake input, so a server's presence or absence never
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +38,7 @@ from typing import Any
 
 import psutil
 
-from servegrid import paths, procs
+from servegrid import hostlocks, paths, placement, procs
 from servegrid.sections import Configuration, Operations
 
 
@@ -52,15 +60,21 @@ class Runtime:
 
     @classmethod
     def from_config(cls, operations: Operations, configuration: Configuration | None = None) -> Runtime:
-        """The runtime for one configuration (its GPUs and CPUs), or for none: state, ports and timeouts only."""
+        """The runtime for one configuration (its GPUs and CPUs, where :mod:`servegrid.placement` puts them),
+        or for none: state, ports and timeouts only."""
+        where = (
+            placement.place(configuration.name, configuration.cpus, configuration.gpus, operations.client_cpus)
+            if configuration
+            else None
+        )
         return cls(
             host=operations.host,
             port_range=(operations.port_range[0], operations.port_range[1]),
             startup_timeout_s=operations.startup_timeout_s,
             shutdown_timeout_s=operations.shutdown_timeout_s,
             liveness_floor_s=operations.stall_floor_s,
-            gpus=list(configuration.gpus) if configuration else [],
-            cpus=list(configuration.cpus) if configuration else [],
+            gpus=where.gpus if where else [],
+            cpus=where.server_cpus if where else [],
         )
 
 
@@ -92,10 +106,27 @@ class ServerFacts:
 _NOT_RECORDS = (".facts.json", ".failed.json", ".launch.json")
 
 
+def this_host() -> str:
+    """The name this host's state folder goes by (the short host name, as Slurm's NodeName)."""
+    return socket.gethostname().split(".")[0] or "localhost"
+
+
+def host_directory(state_dir: str | Path, host: str | None = None) -> Path:
+    """The state folder of ``host`` (this one by default) under ``state_dir``; not made."""
+    return Path(state_dir) / (host or this_host())
+
+
 def directory(runtime: Runtime) -> Path:
-    path = Path(runtime.state_dir)
+    path = host_directory(runtime.state_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _lock_file(runtime: Runtime, name: str) -> Path:
+    # Keyed by the state folder's real path: two pipelines in two directories lock apart, one pipeline's
+    # processes on this host lock together, and no lock crosses a network filesystem.
+    key = hashlib.sha256(str(directory(runtime).resolve()).encode()).hexdigest()[:16]
+    return hostlocks.lock_dir() / f"state-{key}-{name}"
 
 
 def record_path(runtime: Runtime, configuration: str) -> Path:
@@ -134,19 +165,19 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 def locked(runtime: Runtime) -> contextlib.AbstractContextManager[None]:
     """One process at a time decides which servers run."""
-    return _exclusive(directory(runtime) / "lock")
+    return _exclusive(_lock_file(runtime, "lock"))
 
 
 def lease(configuration: str, runtime: Runtime) -> contextlib.AbstractContextManager[None]:
     """Held by a cell while it uses its configuration's server: one cell per server at a time,
     and no other configuration may stop the server under it."""
-    return _exclusive(directory(runtime) / f"{configuration}.lease")
+    return _exclusive(_lock_file(runtime, f"{configuration}.lease"))
 
 
 @contextlib.contextmanager
 def try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
     """The lease of ``configuration`` if no cell holds it now (True), else False at once."""
-    with open(directory(runtime) / f"{configuration}.lease", "a+") as handle:
+    with open(_lock_file(runtime, f"{configuration}.lease"), "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

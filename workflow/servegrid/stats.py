@@ -1,4 +1,4 @@
-"""Percentiles and bootstrap confidence intervals (numpy/scipy)."""
+"""Percentiles (those a cell has enough samples for), intervals of the median, bootstrap intervals (numpy/scipy)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 from scipy import stats as sps
+
+from servegrid import sampling
 
 QUANTILES = (50, 90, 99)
 CONFIDENCE = 0.95
@@ -18,16 +20,25 @@ def missing(value: Any) -> bool:
     return value is None or (isinstance(value, float | np.floating) and bool(np.isnan(value)))
 
 
-def percentiles(values: Sequence[float] | np.ndarray, qs: Sequence[int] = QUANTILES) -> dict[str, float | None]:
+def percentiles(
+    values: Sequence[float] | np.ndarray, qs: Sequence[int] = QUANTILES, enough_only: bool = True
+) -> dict[str, float | None]:
+    """Percentiles ``qs`` (in %) of ``values`` (NaN ignored), each None unless there are enough values for it
+    (servegrid.sampling.tail_allowed: p50 from 6, p90 from 30, p99 from 300). ``enough_only=False``: any
+    percentile from one value on, for a diagnostic that must flag on few values (the client's loop lag)."""
     arr = np.asarray(values, dtype=float)
     arr = arr[~np.isnan(arr)]
-    if arr.size == 0:
-        return {f"p{q}": None for q in qs}
-    return {f"p{q}": float(np.percentile(arr, q)) for q in qs}
+    return {
+        f"p{q}": float(np.percentile(arr, q))
+        if arr.size and (not enough_only or sampling.tail_allowed(arr.size, q / 100))
+        else None
+        for q in qs
+    }
 
 
 def median_ci(values: Sequence[float] | np.ndarray, seed: int = 0) -> tuple[float | None, float | None]:
-    """95% percentile-bootstrap interval of the median; (None, None) below 3 values."""
+    """95% percentile-bootstrap interval of the median; (None, None) below 3 values. The benchmarks' (and the
+    sampling simulation's comparison); the summary reports :func:`median_interval`."""
     arr = np.asarray(values, dtype=float)
     arr = arr[~np.isnan(arr)]
     if arr.size < 3:
@@ -43,6 +54,13 @@ def median_ci(values: Sequence[float] | np.ndarray, seed: int = 0) -> tuple[floa
         random_state=np.random.default_rng(seed),
     )
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def median_interval(values: Sequence[float] | np.ndarray) -> tuple[float | None, float | None]:
+    """The 95% order-statistic interval of the median the summary reports (servegrid.sampling, the interval
+    sequential sampling judges); (None, None) below 6 values."""
+    bounds = sampling.median_interval(values)
+    return (None, None) if bounds is None else bounds
 
 
 def ratio_of_medians_ci(

@@ -25,31 +25,35 @@ __all__ = ["ClassRule", "VerdictRules", "classify", "compare", "crossovers", "de
 GROUP_KEYS = ["mode", "context", "concurrency"]
 
 
+CellValues = dict[tuple[str, str, int, int], np.ndarray]  # primary values by (configuration, *GROUP_KEYS)
+
+
 def primary_values(requests: pd.DataFrame, configuration: str, mode: str, context: int, concurrency: int) -> np.ndarray:
-    primary = modes.get(mode).primary
-    rows = requests[
-        (requests["configuration"] == configuration)
-        & (requests["mode"] == mode)
-        & (requests["context"] == context)
-        & (requests["concurrency"] == concurrency)
-        & (requests["phase"] == "measured")
-        & requests["valid"]
-    ]
-    if primary.turn is not None:
-        rows = rows[rows["turn"] == primary.turn]
-    return rows[primary.column].to_numpy(dtype=float)
+    return primary_values_by_cell(requests).get((configuration, mode, context, concurrency), np.empty(0))
 
 
-def _duel(
-    requests: pd.DataFrame, mode: str, context: int, concurrency: int, a: pd.Series, b: pd.Series
-) -> dict[str, Any]:
+def primary_values_by_cell(requests: pd.DataFrame) -> CellValues:
+    """Each cell's primary values, from one grouping (a filter of the whole table per duel grew as cells²)."""
+    keys = ["configuration", *GROUP_KEYS]
+    if requests.empty or not set(keys) <= set(requests.columns):
+        return {}
+    wanted = [*keys, "phase", "valid", "turn", *(m.primary.column for m in modes.registered())]
+    slim = requests[[c for c in dict.fromkeys(wanted) if c in requests.columns]]
+    out = {}
+    for key, cell in slim.groupby(keys, sort=False):
+        primary = modes.get(key[1]).primary
+        out[key] = primary.rows(cell)[primary.column].to_numpy(dtype=float)
+    return out
+
+
+def _duel(values: CellValues, mode: str, context: int, concurrency: int, a: pd.Series, b: pd.Series) -> dict[str, Any]:
     """Two configurations' cells of one group: which is better on the primary p50, by how many times
     (always ≥ 1), the 95% interval of that factor, and whether either ran into the KV capacity."""
     higher = bool(modes.get(mode).primary.higher_is_better)
     a_first = a["primary_p50"] >= b["primary_p50"] if higher else a["primary_p50"] <= b["primary_p50"]
     best, other = (a, b) if a_first else (b, a)
-    best_values = primary_values(requests, best["configuration"], mode, context, concurrency)
-    other_values = primary_values(requests, other["configuration"], mode, context, concurrency)
+    best_values = values.get((best["configuration"], mode, context, concurrency), np.empty(0))
+    other_values = values.get((other["configuration"], mode, context, concurrency), np.empty(0))
     if higher:
         factor = best["primary_p50"] / other["primary_p50"]
         low, high = stats.ratio_of_medians_ci(best_values, other_values)
@@ -80,6 +84,7 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame, min_factor: float = 1
     rows = []
     if summary.empty:
         return pd.DataFrame()
+    values = primary_values_by_cell(requests)
     for (mode, context, concurrency), group in summary.groupby(GROUP_KEYS, sort=False):
         candidates = group[group["valid"] & group["primary_p50"].notna()]
         if len(candidates) < 2:
@@ -87,17 +92,17 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame, min_factor: float = 1
         higher = bool(modes.get(mode).primary.higher_is_better)
         # A stable sort: equal p50s keep the config's order.
         ranked = candidates.sort_values("primary_p50", ascending=not higher, kind="stable")
-        duel = _duel(requests, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[1])
+        duel = _duel(values, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[1])
         leaders = 1
         while leaders < len(ranked):
-            behind = _duel(requests, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[leaders])
+            behind = _duel(values, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[leaders])
             if behind["tie"] or behind["factor"] < min_factor:
                 leaders += 1
             else:
                 break
         lead = None
         if leaders < len(ranked):
-            lead = _duel(requests, mode, int(context), int(concurrency), ranked.iloc[leaders - 1], ranked.iloc[leaders])
+            lead = _duel(values, mode, int(context), int(concurrency), ranked.iloc[leaders - 1], ranked.iloc[leaders])
         rows.append(
             {
                 "mode": mode,
@@ -232,12 +237,13 @@ def duels(summary: pd.DataFrame, requests: pd.DataFrame, order: list[str]) -> pd
     if summary.empty:
         return pd.DataFrame()
     rank = {name: i for i, name in enumerate(order)}
+    values = primary_values_by_cell(requests)
     for (mode, context, concurrency), group in summary.groupby(GROUP_KEYS, sort=False):
         candidates = group[group["valid"] & group["primary_p50"].notna()]
         candidates = candidates.sort_values("configuration", key=lambda names: names.map(rank))
         for i in range(len(candidates)):
             for j in range(i + 1, len(candidates)):
-                duel = _duel(requests, mode, int(context), int(concurrency), candidates.iloc[i], candidates.iloc[j])
+                duel = _duel(values, mode, int(context), int(concurrency), candidates.iloc[i], candidates.iloc[j])
                 rows.append({"mode": mode, "context": int(context), "concurrency": int(concurrency), **duel})
     return pd.DataFrame(rows)
 

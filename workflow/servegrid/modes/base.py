@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 
@@ -29,9 +29,15 @@ if TYPE_CHECKING:
     from servegrid.client import Streamer
     from servegrid.engines import Engine
     from servegrid.prompts import PromptBuilder
+    from servegrid.stages import StagePlan
 
 MeasureHook = Callable[[], Awaitable[None]]
 Runner = Callable[["WorkloadContext", MeasureHook], Awaitable[None]]
+Content = TypeVar("Content")
+
+
+async def _no_pause() -> None:
+    return None
 
 
 def N_(message: str) -> str:
@@ -54,6 +60,12 @@ class Primary:
     @property
     def metric(self) -> str:
         return self.column if self.turn is None else f"{self.column}@turn{self.turn}"
+
+    def rows(self, requests: pd.DataFrame) -> pd.DataFrame:
+        """The requests this figure's samples come from: measured, valid, of its turn (servegrid.aggregate's
+        derived table). The summary, the verdict and sequential sampling all count these, and only these."""
+        rows = requests[(requests["phase"] == "measured") & requests["valid"]]
+        return rows if self.turn is None else rows[rows["turn"] == self.turn]
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,13 @@ class WorkloadContext:
     builder: PromptBuilder
     sync_client: httpx.Client
     url: str
+    plan: StagePlan
     records: list[RequestRecord] = field(default_factory=list)
+    # Around the pause after a stage (streams decoded, samples judged, the next prompts built; nothing in
+    # flight): the cell stops and restarts what watches the client's timing, which that work would skew.
+    pause_timing: MeasureHook = _no_pause
+    resume_timing: MeasureHook = _no_pause
+    measuring_since_ns: int | None = None  # set when the measured phase begins
 
     def new_record(
         self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
@@ -172,19 +190,15 @@ class WorkloadContext:
     def chat_prompt_tokens(self, messages: Sequence[Mapping[str, str]]) -> int:
         return self.engine.chat_prompt_tokens(self.sync_client, self.url, self.model, messages)
 
-    def may_start(self, start_ns: int) -> bool:
-        """False once the measured phase has run for ``duration_s`` (when set)."""
-        duration = self.workload.get("duration_s")
-        return duration is None or time.monotonic_ns() - start_ns < duration * 1e9
+    def elapsed_s(self) -> float:
+        """Seconds since the measured phase began (0 before)."""
+        since = self.measuring_since_ns
+        return 0.0 if since is None else (time.monotonic_ns() - since) / 1e9
 
-
-async def run_sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitable[None]]) -> None:
-    """Run ``concurrency`` closed-loop sessions that start at one instant.
-
-    ``body(session, start_ns)`` sends that session's requests back to back.
-    """
-    start_ns = time.monotonic_ns()
-    await asyncio.gather(*(body(s, start_ns) for s in range(ctx.concurrency)))
+    def may_start(self) -> bool:
+        """False once the measured phase has run for the plan's time limit (where it has one)."""
+        limit = self.plan.time_limit_s
+        return limit is None or self.elapsed_s() < limit
 
 
 async def send_one_by_one(
@@ -197,17 +211,77 @@ async def send_one_by_one(
         await ctx.complete(record, prompt)
 
 
-async def closed_loop(ctx: WorkloadContext, prompts: Sequence[Sequence[list[int]]]) -> None:
-    """The measured phase of a completion mode: session ``s`` sends ``prompts[s]`` back to back."""
+async def measure_in_stages(
+    ctx: WorkloadContext,
+    measure: MeasureHook,
+    prepare: Callable[[list[tuple[int, int]]], Sequence[Content]],
+    send: Callable[[int, int, Content, int], Awaitable[int]],
+    settle: Callable[[], None] = lambda: None,
+) -> None:
+    """The measured phase: closed-loop sessions, in the stages ``ctx.plan`` sets (servegrid.stages).
 
-    async def session(s: int, start_ns: int) -> None:
-        intended = start_ns
-        for r, prompt in enumerate(prompts[s]):
-            if not ctx.may_start(start_ns):
-                break
-            record = ctx.new_record(s, r, "measured", len(prompt))
-            record.intended_send_ns = intended
-            await ctx.complete(record, prompt)
-            intended = record.end_ns or time.monotonic_ns()
+    ``prepare(units)`` builds the content of each ``(session, index)`` unit of a stage before it starts
+    (synchronously: it may ask the server's tokenizer, so nothing may be in flight); ``send(session, index,
+    content, intended_ns)`` runs one unit and returns when the session wanted to send its next one (the
+    reply's end). Sessions of a stage start at one instant; the next stage starts once all are done,
+    after the streams are decoded, ``settle()`` has completed the records (what is not measured while
+    streams are in flight) and the samples are judged.
+    """
+    done = 0
 
-    await run_sessions(ctx, session)
+    def units(rounds: int) -> list[tuple[int, int]]:
+        return [(s, i) for s in range(ctx.concurrency) for i in range(done, done + rounds)]
+
+    rounds = ctx.plan.next_rounds(ctx.records, 0.0)
+    contents = prepare(units(rounds))
+    await measure()
+    ctx.measuring_since_ns = time.monotonic_ns()
+    while rounds:
+        by_session = [contents[s * rounds : (s + 1) * rounds] for s in range(ctx.concurrency)]
+
+        async def session(
+            s: int, start_ns: int, first: int = done, stage: list[Sequence[Content]] = by_session
+        ) -> None:
+            intended = start_ns
+            for i, content in enumerate(stage[s]):
+                if not ctx.may_start():
+                    break
+                intended = await send(s, first + i, content, intended)
+
+        ctx.plan.stage_started(ctx.elapsed_s())
+        await run_sessions(ctx, session)
+        ctx.plan.stage_ended(ctx.elapsed_s())
+        done += rounds
+        await ctx.pause_timing()
+        ctx.streamer.decode_pending()  # nothing is in flight: decoding delays no timestamp
+        settle()
+        rounds = ctx.plan.next_rounds(ctx.records, ctx.elapsed_s())
+        if rounds and ctx.may_start():
+            contents = prepare(units(rounds))
+            await ctx.resume_timing()
+        elif rounds:  # time is up while judging: the planned stage would send nothing
+            ctx.plan.time_up()
+            rounds = 0
+
+
+async def run_sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitable[None]]) -> None:
+    """Run ``concurrency`` closed-loop sessions that start at one instant.
+
+    ``body(session, start_ns)`` sends that session's requests back to back.
+    """
+    start_ns = time.monotonic_ns()
+    await asyncio.gather(*(body(s, start_ns) for s in range(ctx.concurrency)))
+
+
+async def measure_completions(
+    ctx: WorkloadContext, measure: MeasureHook, prompt_of: Callable[[list[tuple[int, int]]], Sequence[list[int]]]
+) -> None:
+    """The measured phase of a completion mode: each unit is one prompt, sent back to back per session."""
+
+    async def send(s: int, i: int, prompt: list[int], intended_ns: int) -> int:
+        record = ctx.new_record(s, i, "measured", len(prompt))
+        record.intended_send_ns = intended_ns
+        await ctx.complete(record, prompt)
+        return record.end_ns or time.monotonic_ns()
+
+    await measure_in_stages(ctx, measure, prompt_of, send)

@@ -13,22 +13,18 @@ from servegrid.modes.base import (
     Mode,
     Primary,
     WorkloadContext,
-    closed_loop,
+    measure_completions,
     send_one_by_one,
 )
 from servegrid.modes.registry import register
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
-    w = ctx.workload
-    warmups = [ctx.builder.unique(ctx.context, f"warmup {i}") for i in range(w["warmup_requests"])]
-    prompts = [
-        [ctx.builder.unique(ctx.context, f"s{s} r{r}") for r in range(w["requests_per_session"])]
-        for s in range(ctx.concurrency)
-    ]
+    warmups = [ctx.builder.unique(ctx.context, f"warmup {i}") for i in range(ctx.workload["warmup_requests"])]
     await send_one_by_one(ctx, "warmup", warmups)
-    await measure()
-    await closed_loop(ctx, prompts)
+    await measure_completions(
+        ctx, measure, lambda units: [ctx.builder.unique(ctx.context, f"s{s} r{r}") for s, r in units]
+    )
 
 
 MODE = register(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from servegrid import stats
 from servegrid.modes.base import (
     N_,
     FigureSpec,
@@ -21,7 +22,7 @@ from servegrid.modes.base import (
     Mode,
     Primary,
     WorkloadContext,
-    run_sessions,
+    measure_in_stages,
 )
 from servegrid.modes.registry import register
 
@@ -63,10 +64,9 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     def follow_ups(label: str) -> list[str]:
         return [ctx.detokenize(ctx.builder.unique(follow_up_tokens, f"{label} turn {t}")) for t in range(2, turns + 1)]
 
-    conversations = [
-        [(first_message(f"s{s} c{c}"), follow_ups(f"s{s} c{c}")) for c in range(w["requests_per_session"])]
-        for s in range(ctx.concurrency)
-    ]
+    def conversations(units: list[tuple[int, int]]) -> list[tuple[str, list[str]]]:
+        return [(first_message(f"s{s} c{c}"), follow_ups(f"s{s} c{c}")) for s, c in units]
+
     warmup_conversations = [
         (first_message(f"warmup {i}"), follow_ups(f"warmup {i}")) for i in range(w["warmup_requests"])
     ]
@@ -87,21 +87,18 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
 
     for i, (opening, later) in enumerate(warmup_conversations):
         await converse(0, i, "warmup", opening, later, time.monotonic_ns())
-    await measure()
 
-    async def session(s: int, start_ns: int) -> None:
-        intended = start_ns
-        for c, (opening, later) in enumerate(conversations[s]):
-            if not ctx.may_start(start_ns):
-                break
-            intended = await converse(s, c, "measured", opening, later, intended)
+    async def measured(s: int, c: int, conversation: tuple[str, list[str]], intended_ns: int) -> int:
+        return await converse(s, c, "measured", *conversation, intended_ns)
 
-    await run_sessions(ctx, session)
-    # What each turn asked for, measured with the server's template after the fact,
-    # so that no tokenizer round-trip sits between the turns that are timed.
-    for record in ctx.records:
-        if record.messages is not None:
-            record.prompt_tokens_requested = ctx.chat_prompt_tokens(record.messages)
+    def count_prompts() -> None:
+        # What each turn asked for, measured with the server's template after its stage, so that no
+        # tokenizer round-trip sits between the turns that are timed (and the stage's samples are judged valid).
+        for record in ctx.records:
+            if record.messages is not None and not record.prompt_tokens_requested:
+                record.prompt_tokens_requested = ctx.chat_prompt_tokens(record.messages)
+
+    await measure_in_stages(ctx, measure, conversations, measured, settle=count_prompts)
 
 
 def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, block: int) -> float:
@@ -125,7 +122,7 @@ def turn_columns(valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any
     out: dict[str, Any] = {}
     for name, turn in (("ttft_turn1_p50", 1), ("ttft_turn2_p50", 2), ("ttft_last_turn_p50", last_turn)):
         values = turns.loc[turns["turn"] == turn, "ttft_s"] if turn is not None else turns["ttft_s"].iloc[0:0]
-        out[name] = float(values.median()) if len(values) else None
+        out[name] = stats.percentiles(values.to_numpy(dtype=float))["p50"]  # None below 6 conversations
     return out
 
 

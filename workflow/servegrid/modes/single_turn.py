@@ -20,7 +20,7 @@ from servegrid.modes.base import (
     Mode,
     Primary,
     WorkloadContext,
-    closed_loop,
+    measure_completions,
     send_one_by_one,
 )
 from servegrid.modes.registry import register
@@ -28,22 +28,22 @@ from servegrid.modes.registry import register
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     w = ctx.workload
-    n_per_session = w["requests_per_session"]
-    labels = [f"s{s} r{r}" for s in range(ctx.concurrency) for r in range(n_per_session)]
-    _, shared = ctx.builder.shared_prefix_prompts(ctx.context, w["suffix_tokens"], labels, "shared prefix")
-    _, probe = ctx.builder.shared_prefix_prompts(
-        ctx.context, w["suffix_tokens"], ["probe a", "probe b"], "probe prefix"
-    )
+    suffix = w["suffix_tokens"]
+    _, probe = ctx.builder.shared_prefix_prompts(ctx.context, suffix, ["probe a", "probe b"], "probe prefix")
     warmup_labels = [f"warmup {i}" for i in range(w["warmup_requests"])]
-    _, warmups = ctx.builder.shared_prefix_prompts(ctx.context, w["suffix_tokens"], warmup_labels, "shared prefix")
+    _, warmups = ctx.builder.shared_prefix_prompts(ctx.context, suffix, warmup_labels, "shared prefix")
+
+    def shared(units: list[tuple[int, int]]) -> list[list[int]]:
+        # The same prefix at every stage: the builder derives it from its label and the cell's nonce.
+        labels = [f"s{s} r{r}" for s, r in units]
+        return ctx.builder.shared_prefix_prompts(ctx.context, suffix, labels, "shared prefix")[1]
 
     # The probe runs on an idle server: first request on a fresh prefix (turn 1), then the second (turn 2).
     await send_one_by_one(ctx, "probe", probe, turn_of_index=True)
     # Warm-up requests carry the shared prefix: it is in the cache (where caching is on)
     # before measuring, as a shared system prompt is in production.
     await send_one_by_one(ctx, "warmup", warmups)
-    await measure()
-    await closed_loop(ctx, [shared[s * n_per_session : (s + 1) * n_per_session] for s in range(ctx.concurrency)])
+    await measure_completions(ctx, measure, shared)
 
 
 def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, block: int) -> float:

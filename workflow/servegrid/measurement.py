@@ -1,0 +1,187 @@
+"""One cell's measured phase against a running server: warm-up, stages of closed-loop sessions, metrics.
+
+Around the workload (a mode's runner, servegrid.modes) it keeps what judges the client's own timing
+(:mod:`servegrid.client_monitor`), the server's gauges and counters, and the stall guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import httpx
+from httpx_aiohttp import HttpxAiohttpClient
+
+from servegrid import metrics, modes
+from servegrid.client import Streamer, streaming_session
+from servegrid.client_monitor import ClientMonitor, CollectorPause, StallGuard, stall_limit_s, warmup_stall_limit_s
+from servegrid.config import Operations
+from servegrid.engines import Engine
+from servegrid.errors import CellError, CellStalled
+from servegrid.modes import WorkloadContext
+from servegrid.prompts import PromptBuilder
+from servegrid.request_record import RequestRecord
+from servegrid.stages import StagePlan
+
+
+def run_loop(coroutine: Any) -> Any:
+    """Run on uvloop where it exists: less client CPU per SSE event (benchmarks/client_overhead.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+def _reset_prefix_cache(engine: Engine, client: httpx.Client, url: str) -> str:
+    """Empty the server's prefix cache if the engine lets us: the repeat's cache state.
+
+    Either way every cell's prompts start with a fresh nonce, so no earlier cell
+    can have left a reusable prefix; the reset also frees the blocks they occupy.
+    """
+    return "reset" if engine.reset_prefix_cache(client, url) else "fresh content"
+
+
+async def measure(
+    settings: dict[str, Any],
+    engine: Engine,
+    url: str,
+    model: str,
+    operations: Operations,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Run a cell's workload against ``engine``'s server at ``url``, ``repeats`` times, each from a clean
+    cache with fresh prompts. ``settings`` is :meth:`Experiment.cell_settings`' shape."""
+    headers = headers or {}
+    mode = modes.get(settings["mode"])
+    concurrency = settings["concurrency"]
+    timeout = httpx.Timeout(operations.request_timeout_s, connect=30.0)
+    warmup_limit = warmup_stall_limit_s(operations.stall_floor_s, operations.request_timeout_s)
+    all_records: list[RequestRecord] = []
+    repeats: list[dict[str, Any]] = []
+    with httpx.Client(timeout=120.0, headers=headers) as sync_client:
+
+        def tokenize(text: str) -> list[int]:
+            return engine.tokenize(sync_client, url, model, text)
+
+        corpus = PromptBuilder(tokenize, settings["workload"]["seed"], mode.corpus_tokens(settings))
+        # Control calls (metrics, cache resets) go through httpx's API over aiohttp's transport;
+        # the measured streams through aiohttp itself, whose connections stamp every socket read
+        # (servegrid.client; benchmarks/client_overhead.py measures what each path adds).
+        async with (
+            HttpxAiohttpClient(timeout=timeout, headers=headers) as client,
+            streaming_session(concurrency + 4, operations.request_timeout_s, headers) as session,
+        ):
+            sampler = metrics.GaugeSampler(client, url, engine, model, operations.metrics_interval_s)
+            monitor, collector = ClientMonitor(), CollectorPause()
+            for repeat in range(settings["workload"]["repeats"]):
+                cache_state = _reset_prefix_cache(engine, sync_client, url)
+                plan = StagePlan.from_settings(settings, mode.primary)
+                ctx = WorkloadContext(
+                    mode=settings["mode"],
+                    context=settings["context"],
+                    concurrency=concurrency,
+                    workload=settings["workload"],
+                    temperature=settings["sampling"]["temperature"],
+                    model=model,
+                    engine=engine,
+                    streamer=Streamer(session, url),
+                    builder=corpus.fresh(),
+                    sync_client=sync_client,
+                    url=url,
+                    plan=plan,
+                )
+                state: dict[str, Any] = {}
+
+                guard = StallGuard(ctx.streamer)
+
+                async def begin_measurement(
+                    state: dict[str, Any] = state,
+                    streamer: Streamer = ctx.streamer,
+                    guard: StallGuard = guard,
+                    records: list[RequestRecord] = ctx.records,
+                ) -> None:
+                    warmups = [r for r in records if r.phase == "warmup"]
+                    limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, warmup_limit)
+                    guard.tighten(limit, "from this cell's warm-up")
+                    await streamer.open_connections(concurrency, engine.health_path)
+                    state["before"] = await metrics.scrape(client, url, engine, model)
+                    state["t0_ns"] = time.monotonic_ns()
+                    state["first_sample"] = sampler.count
+                    sampler.start()
+                    monitor.start()
+                    collector.start()
+
+                async def pause_timing() -> None:
+                    collector.stop()  # a good moment for the collections it held back
+                    await monitor.stop()
+                    await sampler.stop()  # the server's gauges, like the client's watch, cover the stages only
+
+                async def resume_timing(streamer: Streamer = ctx.streamer) -> None:
+                    # The server closes idle keep-alive connections (vLLM after 5 s): open them again before
+                    # the stage, or its sessions all connect at once while they are timed.
+                    await streamer.open_connections(concurrency, engine.health_path)
+                    sampler.start()
+                    monitor.start()
+                    collector.start()
+
+                ctx.pause_timing, ctx.resume_timing = pause_timing, resume_timing
+                state["work"] = work = asyncio.ensure_future(mode.run(ctx, begin_measurement))
+                # From the first request on: an engine that hangs during the warm-up is found too.
+                guard.start(work, warmup_limit, "during the warm-up: 10 × operations.stall_floor_s")
+                try:
+                    await work
+                except asyncio.CancelledError:
+                    if guard.stalled_s is None:
+                        raise
+                    raise CellStalled(
+                        f"the server made no progress for {guard.stalled_s:.0f} s with requests in flight "
+                        f"(limit {guard.limit_s:.0f} s, {guard.basis}): stopped, not reused"
+                    ) from None
+                finally:
+                    await guard.stop()
+                    collector.stop()
+                    await monitor.stop()
+                    await sampler.stop()
+                t1_ns = time.monotonic_ns()
+                ctx.streamer.decode_pending()
+                if "t0_ns" not in state:
+                    raise CellError("the workload ended before its measured phase began")
+                after = await metrics.scrape(client, url, engine, model)
+                for record in ctx.records:
+                    record.repeat, record.t0_ns = repeat, state["t0_ns"]
+                all_records += ctx.records
+                repeats.append(
+                    {
+                        "repeat": repeat,
+                        "cache_state": cache_state,
+                        # The stages' time, without the pauses between them (multi-turn builds its next
+                        # conversations there): what throughput and goodput are per second of.
+                        "duration_s": plan.active_s if plan.stages else (t1_ns - state["t0_ns"]) / 1e9,
+                        "sampling": plan.summary(),
+                        "before": state["before"],
+                        "after": after,
+                        "delta": metrics.delta(state["before"], after),
+                        "gauge_samples": [
+                            {**s, "t": s["t"] - state["t0_ns"] / 1e9} for s in sampler.samples(state["first_sample"])
+                        ],
+                    }
+                )
+    counter_delta = metrics.sum_deltas([r["delta"] for r in repeats])
+    server_metrics = {
+        "delta": counter_delta,
+        "derived": metrics.derived(counter_delta),
+        "gauges": sampler.summary(),
+    }
+    measured = {
+        "server_metrics": server_metrics,
+        "client": monitor.summary() | {"cpus": sorted(os.sched_getaffinity(0))},
+        "repeats": repeats,
+        "duration_s": sum(r["duration_s"] for r in repeats),
+        "sampling": repeats[-1]["sampling"] if repeats else None,
+        # The weakest guarantee any repeat had.
+        "cache_state": "reset" if all(r["cache_state"] == "reset" for r in repeats) else "fresh content",
+    }
+    return all_records, measured
