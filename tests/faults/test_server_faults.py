@@ -2,7 +2,8 @@
 
 Each test checks the four things of helpers.faults: the time to a clear error, what is left on disk,
 that no process survives (the whole server tree: API server, engine core, workers), and that the next
-run completes the grid. A vLLM CPU start costs about a minute, so grids are one or two small cells.
+run completes the grid. A vLLM CPU start costs about a minute, so grids are one or two small cells, and the
+faults that strike while a cell measures run as one chain (each one's rerun is the next one's run; see below).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 import psutil
 import pytest
 
-from helpers import snakemake, write_yaml
-from helpers.faults import half_written, vllm_config, wait_for, wait_no_survivors
-from servegrid import paths, state
+from helpers import TEST_ENGINE_ARGS, copy_workflow, snakemake, write_yaml
+from helpers.faults import half_written, kill_survivors, vllm_config, wait_for, wait_no_survivors
+from servegrid import paths, records, state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
 
@@ -34,8 +35,9 @@ LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.MULTILINE)
 
 
 def long_cell(**operations: Any) -> dict[str, Any]:
-    """One decode cell that measures for tens of seconds: time to provoke a fault while it measures."""
-    raw = vllm_config(decode={"contexts": [256], "concurrency": [1], "output_tokens": 64, "requests_per_session": 40})
+    """One decode cell that measures for about 20 s (eager, 2 cores): time to provoke a fault while it measures
+    (each strikes within its first 4 s), short enough for the runs that complete it."""
+    raw = vllm_config(decode={"contexts": [256], "concurrency": [1], "output_tokens": 64, "requests_per_session": 20})
     raw["operations"].update(operations)
     return raw
 
@@ -92,14 +94,18 @@ def rerun_completes(workdir: Path, expected: list[str] = [CELL], unlock: bool = 
     """Check 4: the same command again, fault gone, completes the grid. After ``kill -9`` Snakemake's own lock
     on the directory is left behind (no handler ran): ``snakemake --unlock`` first, as Snakemake says."""
     if unlock:
-        refused = snakemake(workdir, "--cores", "1", "aggregate", "--configfile", "fault.yaml")
-        assert refused.returncode != 0 and "Directory cannot be locked" in refused.stdout + refused.stderr
-        assert snakemake(workdir, "--unlock", "--configfile", "fault.yaml").returncode == 0
+        rerun_after_kill_9_is_refused_until_unlocked(workdir)
     result = snakemake(workdir, "--cores", "1", "aggregate", "--configfile", "fault.yaml")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert all((workdir / cell).exists() for cell in expected)
     assert (workdir / "results" / "tables" / "summary.parquet").exists()
     assert wait_no_survivors(workdir, 45) == []
+
+
+def rerun_after_kill_9_is_refused_until_unlocked(workdir: Path) -> None:
+    refused = snakemake(workdir, "--cores", "1", "aggregate", "--configfile", "fault.yaml")
+    assert refused.returncode != 0 and "Directory cannot be locked" in refused.stdout + refused.stderr
+    assert snakemake(workdir, "--unlock", "--configfile", "fault.yaml").returncode == 0
 
 
 def ended_cleanly(workdir: Path, proc: subprocess.Popen, cell: str | None = CELL) -> None:
@@ -111,43 +117,152 @@ def ended_cleanly(workdir: Path, proc: subprocess.Popen, cell: str | None = CELL
     assert wait_no_survivors(workdir, 45) == []
 
 
-# ---- the server's own faults -------------------------------------------------------------------------
+# ---- faults while a cell measures: one chain on one working copy --------------------------------------
+#
+# Each of these faults ends in the same state, checked by its own test: the run failed or stopped, no cell
+# file, no half-written file, no process of the pipeline alive. The run after it (check 4) is the next
+# fault's run: it must start a new server (a session none of the earlier runs had) and measure on it before
+# that fault strikes; the last run completes the grid. Six vLLM starts for five faults instead of ten (a
+# start costs about a minute here, and the suite must fit CI).
 
 
-def test_server_killed_mid_cell(workdir, matrix):
-    proc = start(workdir, long_cell())
-    wait_measuring(workdir)
+class Chain:
+    """The working copy the mid-cell faults run in, one after another, and the server sessions seen so far."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.sessions: list[str] = []
+        self.needs_unlock = False  # after kill -9 Snakemake's own lock is left behind
+
+    def next_run(self, **operations: Any) -> tuple[subprocess.Popen, dict[str, Any]]:
+        """The previous fault's rerun, started until its cell measures on a new server: (Snakemake, record)."""
+        kill_survivors(self.workdir)  # nothing to kill unless an earlier test of the chain failed
+        if self.needs_unlock:
+            rerun_after_kill_9_is_refused_until_unlocked(self.workdir)
+            self.needs_unlock = False
+        log = self.workdir / CELL_LOG
+        if log.exists():  # the previous fault's log, kept beside for reading; the rerun writes its own
+            log.rename(log.with_suffix(f".fault-{len(self.sessions)}.log"))
+        proc = start(self.workdir, long_cell(**operations))
+        try:
+            wait_measuring(self.workdir)
+        except AssertionError:
+            proc.kill()
+            raise
+        record = server_record(self.workdir)
+        assert record["session"] not in self.sessions, "the rerun measured on a server of an earlier run"
+        self.sessions.append(record["session"])
+        return proc, record
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):  # type: ignore[no-untyped-def]
+    workdir = copy_workflow(tmp_path_factory.mktemp("chain") / "wf")
+    yield Chain(workdir)
+    kill_survivors(workdir)
+
+
+def test_server_killed_mid_cell(chain, matrix):
+    proc, record = chain.next_run()
     time.sleep(3)  # into the measured phase
-    os.kill(server_record(workdir)["server"]["pid"], signal.SIGKILL)
+    os.kill(record["server"]["pid"], signal.SIGKILL)
     killed = time.monotonic()
     proc.wait(timeout=300)
     seconds = time.monotonic() - killed
-    log = (workdir / CELL_LOG).read_text()
+    log = (chain.workdir / CELL_LOG).read_text()
     assert proc.returncode != 0
     assert "lost the server" in log or "measured requests failed" in log, log[-3000:]
     assert "Server log: " in log and "--- last lines ---" in log
-    ended_cleanly(workdir, proc)
+    ended_cleanly(chain.workdir, proc)
     matrix.record("server-killed", seconds, "to the end of the run")
-    rerun_completes(workdir)
 
 
-def test_engine_hang_mid_cell(workdir, matrix):
-    proc = start(workdir, long_cell(stall_floor_s=2, request_timeout_s=600))
-    wait_measuring(workdir)
+def test_engine_hang_mid_cell(chain, matrix):
+    proc, record = chain.next_run(stall_floor_s=2, request_timeout_s=600)
     time.sleep(4)  # past the warm-up, into the measured phase
-    core = engine_core(server_record(workdir))
-    core.send_signal(signal.SIGSTOP)  # the engine stops; the API server's /health still says 200
+    engine_core(record).send_signal(signal.SIGSTOP)  # the engine stops; the API server's /health still says 200
     stopped = time.monotonic()
     proc.wait(timeout=400)
     seconds = time.monotonic() - stopped
-    log = (workdir / CELL_LOG).read_text()
+    log = (chain.workdir / CELL_LOG).read_text()
     assert proc.returncode != 0
     assert re.search(r"made no progress for \d+ s with requests in flight \(limit \d+ s, from this cell's warm-up\): "
                      r"stopped, not reused", log), log[-3000:]  # fmt: skip
     assert seconds < 300  # not request_timeout_s (600 s here; 1800 s in config.yaml)
-    ended_cleanly(workdir, proc)
+    ended_cleanly(chain.workdir, proc)
     matrix.record("engine-hang", seconds, "to the end of the run; `stall_floor_s` 2 s")
+
+
+def test_supervisor_killed_takes_the_server_with_it(chain, matrix):
+    proc, record = chain.next_run()
+    # Looked up before the kill: vLLM may have stopped its engine a moment after it.
+    server_tree = [psutil.Process(record["server"]["pid"]), engine_core(record)]
+    os.kill(record["supervisor"]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    # PR_SET_PDEATHSIG: the kernel sends the API server SIGTERM; vLLM shuts its engine down itself.
+    assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in server_tree), 60)
+    gone_after = time.monotonic() - killed
+    proc.wait(timeout=300)
+    log = (chain.workdir / CELL_LOG).read_text()
+    assert proc.returncode != 0
+    # The cell watches its server's supervisor (vLLM's API server can wait for the cell's open streams after
+    # its SIGTERM); or it lost the server first.
+    gone = f"the supervisor (pid {record['supervisor']['pid']}) of server session {record['session']} is gone"
+    assert gone in log or "lost the server" in log or "measured requests failed" in log, log[-3000:]
+    ended_cleanly(chain.workdir, proc)
+    matrix.record("supervisor-killed", gone_after, "until the server's processes are gone")
+
+
+@pytest.mark.parametrize(("fault", "sig"), [("snakemake-sigint", signal.SIGINT), ("snakemake-sigkill", signal.SIGKILL)])
+def test_no_server_outlives_an_interrupted_snakemake(chain, matrix, fault, sig):
+    proc, _ = chain.next_run()
+    try:
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole foreground group
+        else:
+            os.kill(proc.pid, sig)  # only Snakemake itself
+        signalled = time.monotonic()
+        proc.wait(timeout=300)
+        # After kill -9 no handler runs in Snakemake: the supervisor must notice its owner is gone.
+        assert wait_no_survivors(chain.workdir, 45) == [], f"processes still running after {fault}"
+        seconds = time.monotonic() - signalled
+        assert not (chain.workdir / CELL).exists()  # interrupted: no file that looks complete
+        assert half_written(chain.workdir) == []
+        matrix.record(fault, seconds, "until no process is left")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the orphaned cell job after kill -9
+        chain.needs_unlock = sig == signal.SIGKILL
+
+
+def test_the_run_after_the_last_fault_completes_the_grid(chain):
+    """Check 4 of the chain's last fault; the earlier ones' reruns each measured on a new server (next_run)."""
+    kill_survivors(chain.workdir)
+    rerun_completes(chain.workdir, unlock=chain.needs_unlock)
+    session = records.read_cell(chain.workdir / CELL)[1]["server"]["session"]
+    assert session not in chain.sessions  # measured on a new server, not on one a fault left behind
+
+
+def test_no_server_outlives_a_terminated_snakemake(workdir, matrix):
+    raw = long_cell()
+    raw["workloads"]["decode"]["requests_per_session"] = 10  # Snakemake lets the running cell finish: keep it short
+    proc = start(workdir, raw)
+    wait_measuring(workdir)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)  # only Snakemake itself
+        signalled = time.monotonic()
+        proc.wait(timeout=300)
+        assert wait_no_survivors(workdir, 45) == [], "processes still running after snakemake-sigterm"
+        seconds = time.monotonic() - signalled
+        assert half_written(workdir) == []
+        matrix.record("snakemake-sigterm", seconds, "until no process is left")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     rerun_completes(workdir)
+
+
+# ---- faults between two cells ---------------------------------------------------------------------------
 
 
 def test_engine_hang_between_cells_is_not_reused(workdir, matrix):
@@ -166,69 +281,11 @@ def test_engine_hang_between_cells_is_not_reused(workdir, matrix):
     assert replaced in second_log
     match = re.search(r"\(ReadTimeout after ([\d.]+) s, limit (\d+) s\): replaced, not reused", second_log)
     assert match, second_log[-3000:]
-    from servegrid import records
-
     measured_on = records.read_cell(cells[second])[1]["server"]
     assert measured_on["session"] != hung["session"]
     assert half_written(workdir) == []
     assert wait_no_survivors(workdir, 45) == []  # the SIGSTOPped engine included
     matrix.record("hang-between-cells", float(match[1]), f"the liveness check; limit {match[2]} s")
-
-
-def test_supervisor_killed_takes_the_server_with_it(workdir, matrix):
-    proc = start(workdir, long_cell())
-    wait_measuring(workdir)
-    record = server_record(workdir)
-    # Looked up before the kill: vLLM may have stopped its engine a moment after it.
-    server_tree = [psutil.Process(record["server"]["pid"]), engine_core(record)]
-    os.kill(record["supervisor"]["pid"], signal.SIGKILL)
-    killed = time.monotonic()
-    # PR_SET_PDEATHSIG: the kernel sends the API server SIGTERM; vLLM shuts its engine down itself.
-    assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in server_tree), 60)
-    gone_after = time.monotonic() - killed
-    proc.wait(timeout=300)
-    log = (workdir / CELL_LOG).read_text()
-    assert proc.returncode != 0
-    # The cell watches its server's supervisor (vLLM's API server can wait for the cell's open streams after
-    # its SIGTERM); or it lost the server first.
-    gone = f"the supervisor (pid {record['supervisor']['pid']}) of server session {record['session']} is gone"
-    assert gone in log or "lost the server" in log or "measured requests failed" in log, log[-3000:]
-    ended_cleanly(workdir, proc)
-    matrix.record("supervisor-killed", gone_after, "until the server's processes are gone")
-    rerun_completes(workdir)
-
-
-# ---- Snakemake's end -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("fault", "sig"),
-    [("snakemake-sigint", signal.SIGINT), ("snakemake-sigterm", signal.SIGTERM), ("snakemake-sigkill", signal.SIGKILL)],
-)
-def test_no_server_outlives_snakemake(workdir, matrix, fault, sig):
-    raw = long_cell()
-    if sig == signal.SIGTERM:  # Snakemake lets the running cell finish: keep it short
-        raw["workloads"]["decode"]["requests_per_session"] = 10
-    proc = start(workdir, raw)
-    wait_measuring(workdir)
-    try:
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole foreground group
-        else:
-            os.kill(proc.pid, sig)  # only Snakemake itself
-        signalled = time.monotonic()
-        proc.wait(timeout=300)
-        # After kill -9 no handler runs in Snakemake: the supervisor must notice its owner is gone.
-        assert wait_no_survivors(workdir, 45) == [], f"processes still running after {fault}"
-        seconds = time.monotonic() - signalled
-        if sig != signal.SIGTERM:
-            assert not (workdir / CELL).exists()  # interrupted: no file that looks complete
-        assert half_written(workdir) == []
-        matrix.record(fault, seconds, "until no process is left")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the orphaned cell job after kill -9
-    rerun_completes(workdir, unlock=sig == signal.SIGKILL)
 
 
 def test_kill_9_as_the_next_cell_starts_leaves_no_server(workdir, matrix):
@@ -262,7 +319,7 @@ def test_keep_going_past_a_broken_server_and_a_too_long_cell(workdir, matrix):
     raw = vllm_config(decode={"contexts": [256, 40000], "concurrency": [1], "output_tokens": 16})
     # No --max-model-len in the config, so that only the running server can tell that 40,000 tokens do not
     # fit (the tiny model's 32,768 positions); with it in the config, the config itself is refused.
-    raw["engine"]["args"] = ["--load-format", "dummy"]
+    raw["engine"]["args"] = ["--load-format", "dummy", *TEST_ENGINE_ARGS]
     raw["configurations"] = {
         "broken": {"label": "broken", "prefix_caching": True, "args": ["--no-such-flag"]},
         "prefix_cache": raw["configurations"]["prefix_cache"],

@@ -11,6 +11,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SERVER = REPO / "tests" / "helpers" / "fake_server.py"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# Every vLLM server the tests start runs eager: on this machine kind (2 cores) torch.compile's warm-up takes
+# about 60 s of a start, and vLLM 0.32's compile cache fails to load here ("'function' object has no attribute
+# 'finalize_loading'"), so every start paid it again. Measured 2026-12-02: healthy after 85 s compiled, 52 s
+# eager. The tests check servegrid's handling of a real engine, not the compiled engine's speed; the demo
+# keeps vLLM's default.
+TEST_ENGINE_ARGS = ("--enforce-eager",)
 
 
 def free_port_range(width: int = 20) -> tuple[int, int]:

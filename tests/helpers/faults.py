@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import yaml
 
-from helpers import REPO, free_port_range
+from helpers import REPO, TEST_ENGINE_ARGS, free_port_range
 
 
 @dataclass(frozen=True)
@@ -281,6 +281,7 @@ def vllm_config(**workloads: Any) -> dict[str, Any]:
     raw["workloads"] = workloads or {
         "decode": {"contexts": [256], "concurrency": [1], "output_tokens": 16, "requests_per_session": 2}
     }
+    raw["engine"]["args"] = [*raw["engine"]["args"], *TEST_ENGINE_ARGS]
     raw["operations"]["shutdown_timeout_s"] = 10
     raw["operations"]["port_range"] = list(free_port_range(40))
     return raw

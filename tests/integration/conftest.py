@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from helpers import REPO, VLLM_PYTHON, free_port_range
+from helpers import REPO, TEST_ENGINE_ARGS, VLLM_PYTHON, free_port_range
 from servegrid import model, procs, server
 from servegrid.config import Experiment
 
@@ -25,7 +25,7 @@ def shared_config(model_dir: Path) -> dict[str, Any]:
         "model": {"path": str(model_dir), "served_name": "tiny-qwen3", "tiny": {}},
         "engine": {
             "command": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"],
-            "args": ["--load-format", "dummy", "--max-model-len", "8192"],
+            "args": ["--load-format", "dummy", "--max-model-len", "8192", *TEST_ENGINE_ARGS],
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
         },
         "configurations": {

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from helpers import REPO, copy_workflow, leftovers, snakemake, write_yaml
+from helpers import REPO, TEST_ENGINE_ARGS, copy_workflow, leftovers, snakemake, write_yaml
 from servegrid.records import CELL_SCHEMA
 
 pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
@@ -23,6 +23,7 @@ def tiny_grid(demo_raw):  # type: ignore[no-untyped-def]
     # Two of the demo's three configurations: a server start costs about a minute here, and the
     # third (both together) is served by the shared vLLM server of tests/integration/conftest.py.
     raw["configurations"] = {name: demo_raw["configurations"][name] for name in ("prefix_cache", "ngram")}
+    raw["engine"] = {**demo_raw["engine"], "args": [*demo_raw["engine"]["args"], *TEST_ENGINE_ARGS]}
     # Sequential sampling as the demo does it, held to 8 samples a cell (the fewest the rule judges): every
     # cell has a median, and the staged path runs on real vLLM through Snakemake.
     raw["sampling"] = {**demo_raw["sampling"], "min_samples": 8, "max_samples": 8, "max_duration_s": 120}

@@ -15,6 +15,11 @@ from servegrid.config import Experiment
 def demo_grid(tmp_path, monkeypatch, demo_raw):
     """The demo grid with synthetic cells: ngram decodes faster, caching prefills faster."""
     monkeypatch.chdir(tmp_path)
+    return make_demo_grid(demo_raw, tmp_path)
+
+
+def make_demo_grid(demo_raw, tmp_path):  # type: ignore[no-untyped-def]
+    """demo_grid's cells under ``tmp_path``, the working directory (cell paths are relative to it)."""
     raw = with_changes(demo_raw)
     # Two of the demo's configurations: the report tests read their comparison (tests/unit/test_n_configurations.py
     # covers any number).

@@ -115,7 +115,7 @@ def overlaps(a, b) -> bool:  # type: ignore[no-untyped-def]
 def placed(tmp_path_factory):  # type: ignore[no-untyped-def]
     workdir = copy_workflow(tmp_path_factory.mktemp("placement"))
     write_yaml(workdir / "placement.yaml", placement_config())
-    result = snakemake(workdir, "--cores", "2", "report", "--configfile", "placement.yaml", timeout=600)
+    result = snakemake(workdir, "--cores", "2", "aggregate", "--configfile", "placement.yaml", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return workdir, intervals(workdir)
 

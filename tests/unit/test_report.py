@@ -16,39 +16,6 @@ from servegrid.errors import ConfigError
 from servegrid.report import TEMPLATES
 
 
-@pytest.fixture
-def rendered(demo_grid, tmp_path):  # noqa: F811
-    experiment, cells = demo_grid
-    run_aggregate(experiment, cells, tmp_path)
-    out = {}
-    for lang in ("pt", "hu"):
-        figures_dir = tmp_path / "figures" / lang
-        figures.draw_all(
-            experiment,
-            str(tmp_path / "summary.parquet"),
-            str(tmp_path / "comparisons.parquet"),
-            figures_dir,
-            lang,
-            requests_path=str(tmp_path / "requests.parquet"),
-        )
-        html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
-        report.render(
-            experiment,
-            lang,
-            summary_path=str(tmp_path / "summary.parquet"),
-            comparisons_path=str(tmp_path / "comparisons.parquet"),
-            servers_path=str(tmp_path / "servers.parquet"),
-            figures_dir=figures_dir,
-            html_out=str(html),
-            pdf_out=str(pdf),
-            verdict_path=str(tmp_path / "verdict.parquet"),
-            crossovers_path=str(tmp_path / "crossovers.parquet"),
-            production_path=str(tmp_path / "production.parquet"),
-        )
-        out[lang] = (html.read_text(encoding="utf-8"), pdf)
-    return experiment, out
-
-
 def test_both_languages_render_with_their_own_words_and_number_formats(rendered):
     _, out = rendered
     pt, hu = out["pt"][0], out["hu"][0]

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
-from test_report import rendered  # noqa: F401 - the fixture is reused
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -48,7 +47,7 @@ def need(tool: str | None, name: str) -> str:
 
 
 @pytest.mark.parametrize("lang", ["pt", "hu"])
-def test_html_in_headless_chromium(rendered, tmp_path, lang):  # noqa: F811
+def test_html_in_headless_chromium(rendered, tmp_path, lang):
     chromium = need(CHROMIUM, "chromium")
     html = rendered[1][lang][0]
     page = tmp_path / f"probe-{lang}.html"
@@ -69,7 +68,7 @@ def test_html_in_headless_chromium(rendered, tmp_path, lang):  # noqa: F811
 
 
 @pytest.mark.parametrize("lang", ["pt", "hu"])
-def test_pdf_through_poppler(rendered, tmp_path, lang):  # noqa: F811
+def test_pdf_through_poppler(rendered, tmp_path, lang):
     pdf = Path(rendered[1][lang][1])
     fonts = subprocess.run([need(shutil.which("pdffonts"), "pdffonts"), str(pdf)], capture_output=True, text=True,
                            check=True).stdout.splitlines()[2:]  # fmt: skip
