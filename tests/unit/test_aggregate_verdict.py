@@ -234,3 +234,25 @@ def test_requests_queued_while_the_cells_live_tokens_exceed_the_pool_are_kv_limi
     assert aggregate.kv_limited(row, concurrency=4)
     assert not aggregate.kv_limited({**row, "server_num_requests_waiting_capacity_max": 0.0}, concurrency=4)
     assert not aggregate.kv_limited({**row, "peak_tokens_asked": 4000}, concurrency=4)  # it fits: queued for else
+
+
+def test_each_cell_is_resampled_once_with_a_seed_of_its_own_and_its_ratio_interval_covers_the_true_ratio():
+    rng = np.random.default_rng(7)
+    slow, fast = rng.lognormal(np.log(0.3), 0.2, 60), rng.lognormal(np.log(0.1), 0.2, 60)
+    rows = [
+        {"configuration": name, "mode": "single_turn", "context": 1024, "concurrency": 4, "phase": "measured",
+         "valid": True, "turn": 1, "ttft_s": value}
+        for name, values in (("a", slow), ("b", fast), ("c", fast)) for value in values
+    ]  # fmt: skip
+    samples = verdict.CellSamples(pd.DataFrame(rows))
+    a, b, c = ((name, "single_turn", 1024, 4) for name in "abc")
+    low, high = samples.ratio_ci(a, b)
+    assert low < 3.0 < high and high / low < 1.5  # the true ratio of medians is 3
+    assert samples.medians(a) is samples.medians(a)  # made once, however many duels read it
+    # Cells with the same values are resampled independently (a shared seed would make their ratio exactly 1).
+    assert not np.array_equal(samples.medians(b), samples.medians(c))
+    low, high = samples.ratio_ci(b, c)
+    assert low < 1.0 < high
+    # The same tables on every run: the seed comes from the cell, not from the process.
+    assert np.array_equal(verdict.CellSamples(pd.DataFrame(rows)).medians(a), samples.medians(a))
+    assert samples.ratio_ci(a, ("d", "single_turn", 1024, 4)) == (None, None)  # no such cell: no interval

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from servegrid import atomic, metrics, modes, records, sampling, slo, stats, verdict
 from servegrid.config import Experiment, Validity
@@ -34,28 +35,30 @@ PER_REQUEST = ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s", "ttft_
 def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """Every cell file's rows and metadata. Files that cannot be read back (a checksum that fails, a
     truncated file) are all moved aside first, and the error lists them: the next run measures them again."""
-    frames, metas, damaged = [], [], []
+    tables, metas, damaged = [], [], []
     for path in paths:
         try:
             table, meta = records.read_cell(path)
         except CellFileError as exc:
             damaged.append(f"{exc}\n  kept as {records.set_aside(path)}")
             continue
-        frame = table.to_pandas()
-        cell = meta["cell"]
-        for key in CELL_KEYS:
-            frame[key] = cell[key]
-        frames.append(frame)
+        tables.append(table.replace_schema_metadata(None))
         metas.append(meta)
     if damaged:
         raise CellFileError(
             f"{len(damaged)} cell file(s) could not be read back and were moved aside; the next run measures "
             "those cells again:\n" + "\n".join(damaged)
         )
-    if not frames:
+    if not tables:
         return pd.DataFrame(columns=CELL_KEYS), metas
-    df = pd.concat(frames, ignore_index=True)
-    return df[CELL_KEYS + [c for c in df.columns if c not in CELL_KEYS]], metas
+    # One Arrow table, one conversion: a DataFrame per cell and a concat cost most of the reading (docs/scale.md).
+    # A file of an older schema lacks a newer column: it is filled with nulls.
+    df = pa.concat_tables(tables, promote_options="default").to_pandas()
+    counts = [t.num_rows for t in tables]
+    keys = {key: np.repeat(np.array([m["cell"][key] for m in metas], dtype=object), counts) for key in CELL_KEYS}
+    cell_keys = pd.DataFrame(keys).astype({"context": "int64", "concurrency": "int64", "configuration": "str",
+                                           "mode": "str"})  # fmt: skip
+    return pd.concat([cell_keys, df], axis=1), metas
 
 
 def derive(df: pd.DataFrame) -> pd.DataFrame:
@@ -87,76 +90,113 @@ def per_token_itl(chunk_times: np.ndarray, chunk_tokens: np.ndarray) -> np.ndarr
     return np.repeat(gaps / tokens[1:], tokens[1:].astype(int))
 
 
-def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experiment) -> dict[str, Any]:
+class CellRows:
+    """One cell's requests as numpy columns (positions into the derived table), with its masks.
+
+    The summary computes its columns on these arrays: a pandas filter per figure and per cell cost about
+    10 ms a cell, most of the aggregation of a 2,000-cell grid (docs/scale.md). DataFrames are made only for
+    what takes one (the modes' hooks and the objectives), from the same rows."""
+
+    def __init__(self, columns: dict[str, np.ndarray], positions: np.ndarray, primary: Any) -> None:
+        self.columns = columns
+        self.positions = positions
+        self._cache: dict[str, np.ndarray] = {}
+        self.measured = self["phase"] == "measured"
+        self.ok = self["error_missing"]  # no error (the error column is empty)
+        self.valid = self.measured & self["valid"]
+        self.primary = primary.mask(self)
+
+    def __getitem__(self, column: str) -> np.ndarray:
+        if column not in self._cache:
+            self._cache[column] = self.columns[column][self.positions]
+        return self._cache[column]
+
+    def floats(self, column: str, mask: np.ndarray) -> np.ndarray:
+        return self[column][mask].astype(float)
+
+    def frame(self, mask: np.ndarray, columns: list[str]) -> pd.DataFrame:
+        return pd.DataFrame({c: self[c][mask] for c in columns})
+
+
+HOOK_COLUMNS = ["session", "seq", "turn", "phase", "valid", "error", "ttft_s", "tpot_s", "e2e_s",
+                "prompt_tokens_reported", "prompt_tokens_requested", "output_tokens_requested"]  # fmt: skip
+
+
+def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experiment) -> dict[str, Any]:
     cell = meta["cell"]
     mode = modes.get(cell["mode"])
-    measured = frame[frame["phase"] == "measured"]
-    valid = measured[measured["valid"]]
+    rows, measured, valid = cell_rows, cell_rows.measured, cell_rows.valid
+    n_valid = int(valid.sum())
     primary = mode.primary
-    primary_rows = primary.rows(measured)
     # Labels are presentation (the figures' and the report's, from the config): no label in the tables.
     conf = experiment.configurations.get(cell["configuration"])
     server = meta["server"]
+    tokens_ok = rows["prompt_tokens_ok"] & rows["output_tokens_ok"]
     row: dict[str, Any] = {
         **{k: cell[k] for k in CELL_KEYS},
         "cell_id": cell["id"],
         "prefix_caching": conf.prefix_caching if conf else None,
         "speculative_method": (conf.speculative or {}).get("method") if conf else None,
-        "n_requests": len(measured),
-        "n_valid": len(valid),
-        "n_errors": int(measured["error"].notna().sum()),
-        "n_token_mismatch": int(
-            (measured["error"].isna() & ~(measured["prompt_tokens_ok"] & measured["output_tokens_ok"])).sum()
-        ),
+        "n_requests": int(measured.sum()),
+        "n_valid": n_valid,
+        "n_errors": int((measured & ~rows.ok).sum()),
+        "n_token_mismatch": int((measured & rows.ok & ~tokens_ok).sum()),
         # A failed warm-up or probe: a shared prefix may never have been primed, a probe figure is missing.
-        "n_unmeasured_errors": int(frame.loc[frame["phase"] != "measured", "error"].notna().sum()),
+        "n_unmeasured_errors": int((~measured & ~rows.ok).sum()),
         "duration_s": meta.get("duration_s"),
         "primary_metric": primary.metric,
         "primary_higher_is_better": primary.higher_is_better,
     }
-    values = primary_rows[primary.column].to_numpy(dtype=float)
+    measured_frame = rows.frame(measured, HOOK_COLUMNS)
+    values = rows.floats(primary.column, rows.primary)
     row["primary_n"] = int(np.count_nonzero(~np.isnan(values)))  # the samples, as sequential sampling counts them
-    row.update(slo.cell_columns(measured, experiment.slo.get(cell["mode"], ()), meta.get("duration_s")))
+    row.update(slo.cell_columns(measured_frame, experiment.slo.get(cell["mode"], ()), meta.get("duration_s")))
     row["primary_p50"] = stats.percentiles(values)["p50"]
     row["primary_ci_low"], row["primary_ci_high"] = stats.median_interval(values)
     row.update(sampling_columns(meta, row))
+    repeats = rows["repeat"][rows.primary]
     by_repeat = [  # a diagnostic of drift between repeats: from any number of samples
-        stats.percentiles(g[primary.column].to_numpy(dtype=float), (50,), enough_only=False)["p50"]
-        for _, g in primary_rows.groupby("repeat")
+        stats.percentiles(values[repeats == r], (50,), enough_only=False)["p50"] for r in np.unique(repeats)
     ]
     by_repeat = [v for v in by_repeat if v is not None]
-    row["n_repeats"] = int(measured["repeat"].nunique()) if len(measured) else 0
+    row["n_repeats"] = len(np.unique(rows["repeat"][measured]))
     row["primary_p50_repeat_min"] = min(by_repeat) if by_repeat else None
     row["primary_p50_repeat_max"] = max(by_repeat) if by_repeat else None
     for column in PER_REQUEST:
-        values = valid[column].to_numpy(dtype=float)
+        values = rows.floats(column, valid)
         for name, value in stats.percentiles(values).items():
             row[f"{column}_{name}"] = value
         if column in ("ttft_s", "tpot_s", "e2e_s", "decode_tps"):
             row[f"{column}_p50_ci_low"], row[f"{column}_p50_ci_high"] = stats.median_interval(values)
-    itl = [per_token_itl(t, k) for t, k in zip(valid["chunk_times_s"], valid["chunk_tokens"], strict=True)]
-    gaps = [np.diff(np.asarray(t, dtype=float)) for t in valid["chunk_times_s"] if len(t) > 1]
+    times, tokens = rows["chunk_times_s"][valid], rows["chunk_tokens"][valid]
+    itl = [per_token_itl(t, k) for t, k in zip(times, tokens, strict=True)]
+    gaps = [np.diff(np.asarray(t, dtype=float)) for t in times if len(t) > 1]
     for prefix, parts in (("itl_token_s", itl), ("chunk_gap_s", gaps)):
         flat = np.concatenate(parts) if parts else np.empty(0)
         # Gaps within one request are not independent samples: the tail rule counts requests here.
         for name, value in stats.percentiles(flat, enough_only=False).items():
-            allowed = sampling.tail_allowed(len(valid), int(name[1:]) / 100)
+            allowed = sampling.tail_allowed(n_valid, int(name[1:]) / 100)
             row[f"{prefix}_{name}"] = value if allowed else None
-    row["tokens_per_chunk_mean"] = float(valid["tokens_per_chunk"].mean()) if len(valid) else None
+    per_chunk = rows.floats("tokens_per_chunk", valid)
+    per_chunk = per_chunk[~np.isnan(per_chunk)]
+    row["tokens_per_chunk_mean"] = (float(per_chunk.mean()) if per_chunk.size else float("nan")) if n_valid else None
     # Per second of the measured phase (its stages, without the pauses between them, and every repeat).
     active_s = meta.get("duration_s")
-    tokens = valid["output_tokens_reported"].sum()
-    row["output_tps_total"] = float(tokens / active_s) if len(valid) and active_s and active_s > 0 else None
+    output_tokens = rows.floats("output_tokens_reported", valid).sum()
+    row["output_tps_total"] = float(output_tokens / active_s) if n_valid and active_s and active_s > 0 else None
     # Every mode's own columns in every row, so the table has one schema: None where not applicable.
     row.update(dict.fromkeys(c for m in modes.registered() for c in m.summary_columns))
-    row.update(mode.extra_columns(valid, frame))
+    if mode.summarize is not None:
+        everything = np.ones(len(rows.positions), dtype=bool)
+        row.update(mode.extra_columns(rows.frame(valid, HOOK_COLUMNS), rows.frame(everything, HOOK_COLUMNS)))
     server_metrics = meta["server_metrics"]
     row.update({f"server_{k}": v for k, v in server_metrics["derived"].items()})
     row["server_preemptions"] = server_metrics["delta"].get("num_preemptions")
     # vLLM times the same requests itself (from their arrival in the server to its first token out, and
     # per output token): what the client's mean adds to the server's, where both counted the same requests.
     for figure, column in (("ttft", "ttft_s"), ("tpot", "tpot_s")):
-        timed = measured[column].dropna()
+        timed = rows.floats(column, measured)
+        timed = timed[~np.isnan(timed)]
         counted = server_metrics["delta"].get(f"{metrics.SERVER_TIMING[figure]}_count")
         server_mean = row.setdefault(f"server_{figure}_mean_s", None)  # cell files older than the figure lack it
         same_requests = server_mean is not None and counted == len(timed) > 0
@@ -173,10 +213,10 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["started_at"] = meta["started_at"]
     row["cache_state"] = meta.get("cache_state")
     row["expected_hit_rate"] = mode.expected_hit_rate(
-        bool(row["prefix_caching"]), meta["settings"], measured, row["block_size"]
+        bool(row["prefix_caching"]), meta["settings"], measured_frame, row["block_size"]
     )
     validity = experiment.validity
-    row["peak_tokens_asked"] = peak_tokens_asked(measured, cell["concurrency"])
+    row["peak_tokens_asked"] = peak_tokens_asked(measured_frame, cell["concurrency"])
     row["kv_limited"] = kv_limited(row, cell["concurrency"])
     # A cell past the KV capacity evicts cached blocks to make room: fewer hits than its mode expects are
     # that regime (the seed's "pinned cache blocks"), not a cell that measured something else.
@@ -190,7 +230,7 @@ def _cell_summary(frame: pd.DataFrame, meta: dict[str, Any], experiment: Experim
     row["client_cpus"] = ",".join(str(c) for c in client.get("cpus") or [])
     # A check, not a figure: judged on the raw p99 from any number of requests (the reported column is only
     # filled from 300 on), since a few late sends already mean the client did not keep its schedule.
-    send_delay = stats.percentiles(valid["send_delay_s"].to_numpy(dtype=float), (99,), enough_only=False)["p99"]
+    send_delay = stats.percentiles(rows.floats("send_delay_s", valid), (99,), enough_only=False)["p99"]
     row["sends_slipped"] = bool((send_delay or 0) > validity.max_send_delay_s)
     row["client_bottleneck"] = bool(
         (row["client_loop_lag_p99_s"] or 0) > validity.max_loop_lag_s
@@ -282,11 +322,15 @@ def kv_limited(row: dict[str, Any], concurrency: int = 1) -> bool:
 def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experiment) -> pd.DataFrame:
     rows = []
     # Each cell's rows found once, by one grouping: a mask over every row per cell grew with the square of the grid.
-    by_cell = {key: frame for key, frame in df.groupby(CELL_KEYS, sort=False)} if len(df) else {}
+    by_cell = df.groupby(CELL_KEYS, sort=False).indices if len(df) else {}
+    columns = {c: df[c].to_numpy() for c in df.columns if c not in CELL_KEYS}
+    if metas:
+        columns["error_missing"] = df["error"].isna().to_numpy()
     for meta in metas:
         cell = meta["cell"]
-        frame = by_cell.get(tuple(cell[key] for key in CELL_KEYS), df.iloc[0:0])
-        rows.append(_cell_summary(frame, meta, experiment))
+        positions = by_cell.get(tuple(cell[key] for key in CELL_KEYS), np.empty(0, dtype=np.intp))
+        cell_rows = CellRows(columns, positions, modes.get(cell["mode"]).primary)
+        rows.append(_cell_summary(cell_rows, meta, experiment))
     summary = pd.DataFrame(rows)
     if not summary.empty:
         summary = summary.sort_values(CELL_KEYS, key=_grid_order(experiment)).reset_index(drop=True)
@@ -352,9 +396,10 @@ def aggregate(
     production_out: str | None = None,
 ) -> pd.DataFrame:
     df, metas = load_cells(cell_paths)
-    derived = derive(df) if len(df) else df
+    derived = derive(df) if metas else df  # cell files without a row still have every column
     summary = summarize(derived, metas, experiment)
-    comparisons = verdict.compare(summary, derived, experiment.verdict.min_factor)
+    samples = verdict.CellSamples(derived)
+    comparisons = verdict.compare(summary, samples, experiment.verdict.min_factor)
     rules, order = experiment.verdict, list(experiment.configurations)
     outputs = [
         (derived, requests_out),
@@ -365,7 +410,7 @@ def aggregate(
     if verdict_out:
         outputs.append((verdict.classify(comparisons, rules), verdict_out))
     if crossovers_out:
-        outputs.append((verdict.crossovers(verdict.duels(summary, derived, order), order, rules), crossovers_out))
+        outputs.append((verdict.crossovers(verdict.duels(summary, samples, order), order, rules), crossovers_out))
     if production_out:
         outputs.append((slo.production(summary, order, list(experiment.slo), rules.min_factor), production_out))
     for frame, out in outputs:

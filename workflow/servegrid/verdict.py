@@ -12,6 +12,7 @@ crossover is where the lead between them changes as the load grows.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,17 @@ import pandas as pd
 from servegrid import modes, stats
 from servegrid.config import ClassRule, VerdictRules
 
-__all__ = ["ClassRule", "VerdictRules", "classify", "compare", "crossovers", "decisive", "duels", "primary_values"]
+__all__ = [
+    "CellSamples",
+    "ClassRule",
+    "VerdictRules",
+    "classify",
+    "compare",
+    "crossovers",
+    "decisive",
+    "duels",
+    "primary_values",
+]
 
 GROUP_KEYS = ["mode", "context", "concurrency"]
 
@@ -46,20 +57,50 @@ def primary_values_by_cell(requests: pd.DataFrame) -> CellValues:
     return out
 
 
-def _duel(values: CellValues, mode: str, context: int, concurrency: int, a: pd.Series, b: pd.Series) -> dict[str, Any]:
+class CellSamples:
+    """Each cell's primary values and, made once when a duel first needs them, its bootstrap medians.
+
+    A cell meets several others in :func:`compare` and :func:`duels` (every pair of configurations of its
+    group): resampling it once, with a seed of its own (its key's CRC-32, so the tables are the same on every
+    run), and pairing the medians of two cells gives the same independent-resampling interval as resampling
+    both per duel, at a fraction of the cost (docs/scale.md)."""
+
+    def __init__(self, requests: pd.DataFrame) -> None:
+        self.values = primary_values_by_cell(requests)
+        self._medians: dict[tuple[str, str, int, int], np.ndarray | None] = {}
+
+    def medians(self, key: tuple[str, str, int, int]) -> np.ndarray | None:
+        if key not in self._medians:
+            values = self.values.get(key, np.empty(0))
+            values = values[~np.isnan(values)]
+            rng = np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
+            self._medians[key] = None if values.size < 3 else stats.bootstrap_medians(values, rng)
+        return self._medians[key]
+
+    def ratio_ci(
+        self, numerator: tuple[str, str, int, int], denominator: tuple[str, str, int, int]
+    ) -> tuple[float | None, float | None]:
+        """95% bootstrap interval of median(numerator cell) / median(denominator cell); None below 3 values."""
+        top, bottom = self.medians(numerator), self.medians(denominator)
+        return (None, None) if top is None or bottom is None else stats.ratio_interval(top, bottom)
+
+
+def _duel(
+    samples: CellSamples, mode: str, context: int, concurrency: int, a: dict[str, Any], b: dict[str, Any]
+) -> dict[str, Any]:
     """Two configurations' cells of one group: which is better on the primary p50, by how many times
     (always ≥ 1), the 95% interval of that factor, and whether either ran into the KV capacity."""
     higher = bool(modes.get(mode).primary.higher_is_better)
     a_first = a["primary_p50"] >= b["primary_p50"] if higher else a["primary_p50"] <= b["primary_p50"]
     best, other = (a, b) if a_first else (b, a)
-    best_values = values.get((best["configuration"], mode, context, concurrency), np.empty(0))
-    other_values = values.get((other["configuration"], mode, context, concurrency), np.empty(0))
+    best_key = (best["configuration"], mode, context, concurrency)
+    other_key = (other["configuration"], mode, context, concurrency)
     if higher:
         factor = best["primary_p50"] / other["primary_p50"]
-        low, high = stats.ratio_of_medians_ci(best_values, other_values)
+        low, high = samples.ratio_ci(best_key, other_key)
     else:
         factor = other["primary_p50"] / best["primary_p50"]
-        low, high = stats.ratio_of_medians_ci(other_values, best_values)
+        low, high = samples.ratio_ci(other_key, best_key)
     return {
         "winner": best["configuration"],
         "winner_p50": float(best["primary_p50"]),
@@ -73,7 +114,7 @@ def _duel(values: CellValues, mode: str, context: int, concurrency: int, a: pd.S
     }
 
 
-def compare(summary: pd.DataFrame, requests: pd.DataFrame, min_factor: float = 1.05) -> pd.DataFrame:
+def compare(summary: pd.DataFrame, samples: CellSamples, min_factor: float = 1.05) -> pd.DataFrame:
     """One row per cell group with at least two valid configurations: all of them ranked on the primary
     p50, the winner, and its factor over the runner-up with that factor's 95% interval.
 
@@ -84,35 +125,33 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame, min_factor: float = 1
     rows = []
     if summary.empty:
         return pd.DataFrame()
-    values = primary_values_by_cell(requests)
-    for (mode, context, concurrency), group in summary.groupby(GROUP_KEYS, sort=False):
-        candidates = group[group["valid"] & group["primary_p50"].notna()]
+    for (mode, context, concurrency), candidates in _candidates(summary):
         if len(candidates) < 2:
             continue
         higher = bool(modes.get(mode).primary.higher_is_better)
         # A stable sort: equal p50s keep the config's order.
-        ranked = candidates.sort_values("primary_p50", ascending=not higher, kind="stable")
-        duel = _duel(values, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[1])
+        ranked = sorted(candidates, key=lambda c: -c["primary_p50"] if higher else c["primary_p50"])
+        duel = _duel(samples, mode, context, concurrency, ranked[0], ranked[1])
         leaders = 1
         while leaders < len(ranked):
-            behind = _duel(values, mode, int(context), int(concurrency), ranked.iloc[0], ranked.iloc[leaders])
+            behind = _duel(samples, mode, context, concurrency, ranked[0], ranked[leaders])
             if behind["tie"] or behind["factor"] < min_factor:
                 leaders += 1
             else:
                 break
         lead = None
         if leaders < len(ranked):
-            lead = _duel(values, mode, int(context), int(concurrency), ranked.iloc[leaders - 1], ranked.iloc[leaders])
+            lead = _duel(samples, mode, context, concurrency, ranked[leaders - 1], ranked[leaders])
         rows.append(
             {
                 "mode": mode,
-                "context": int(context),
-                "concurrency": int(concurrency),
-                "metric": ranked.iloc[0]["primary_metric"],
+                "context": context,
+                "concurrency": concurrency,
+                "metric": ranked[0]["primary_metric"],
                 **duel,
-                "ranking": ",".join(ranked["configuration"]),
+                "ranking": ",".join(c["configuration"] for c in ranked),
                 "n_configurations": len(ranked),
-                "leaders": ",".join(ranked["configuration"].iloc[:leaders]),
+                "leaders": ",".join(c["configuration"] for c in ranked[:leaders]),
                 "lead_factor": lead["factor"] if lead else None,
                 "lead_ci_low": lead["factor_ci_low"] if lead else None,
                 "lead_ci_high": lead["factor_ci_high"] if lead else None,
@@ -120,6 +159,18 @@ def compare(summary: pd.DataFrame, requests: pd.DataFrame, min_factor: float = 1
             }
         )
     return pd.DataFrame(rows)
+
+
+def _candidates(summary: pd.DataFrame) -> list[tuple[tuple[str, int, int], list[dict[str, Any]]]]:
+    """Per cell group (in the summary's order): its valid cells with a primary p50, as records in the
+    summary's (the config's) order. Records, not rows of a frame: a group's cells are read many times."""
+    columns = ["configuration", *GROUP_KEYS, "primary_p50", "primary_metric", "kv_limited"]
+    usable = summary.loc[summary["valid"].astype(bool) & summary["primary_p50"].notna(), columns]
+    keys = zip(summary["mode"], summary["context"].astype(int), summary["concurrency"].astype(int), strict=True)
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {key: [] for key in keys}
+    for record in usable.to_dict("records"):
+        groups[(record["mode"], int(record["context"]), int(record["concurrency"]))].append(record)
+    return list(groups.items())
 
 
 # ---- the verdict engine: workload classes, each with a winner and a range --------------------
@@ -230,21 +281,19 @@ def _shared_outcome(shared: list[dict[str, Any]], rules: VerdictRules) -> dict[s
     }
 
 
-def duels(summary: pd.DataFrame, requests: pd.DataFrame, order: list[str]) -> pd.DataFrame:
+def duels(summary: pd.DataFrame, samples: CellSamples, order: list[str]) -> pd.DataFrame:
     """Every pair of valid configurations (in ``order``) in every cell group: who is better, by how
     many times, with its 95% interval. With two configurations this is :func:`compare`'s table."""
     rows = []
     if summary.empty:
         return pd.DataFrame()
     rank = {name: i for i, name in enumerate(order)}
-    values = primary_values_by_cell(requests)
-    for (mode, context, concurrency), group in summary.groupby(GROUP_KEYS, sort=False):
-        candidates = group[group["valid"] & group["primary_p50"].notna()]
-        candidates = candidates.sort_values("configuration", key=lambda names: names.map(rank))
+    for (mode, context, concurrency), candidates in _candidates(summary):
+        candidates = sorted(candidates, key=lambda c: rank.get(c["configuration"], len(rank)))
         for i in range(len(candidates)):
             for j in range(i + 1, len(candidates)):
-                duel = _duel(values, mode, int(context), int(concurrency), candidates.iloc[i], candidates.iloc[j])
-                rows.append({"mode": mode, "context": int(context), "concurrency": int(concurrency), **duel})
+                duel = _duel(samples, mode, context, concurrency, candidates[i], candidates[j])
+                rows.append({"mode": mode, "context": context, "concurrency": concurrency, **duel})
     return pd.DataFrame(rows)
 
 

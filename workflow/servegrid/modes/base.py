@@ -61,11 +61,16 @@ class Primary:
     def metric(self) -> str:
         return self.column if self.turn is None else f"{self.column}@turn{self.turn}"
 
+    def mask(self, requests: Mapping[str, Any]) -> Any:
+        """Which requests this figure's samples come from: measured, valid, of its turn (columns of
+        servegrid.aggregate's derived table, as a DataFrame or as numpy arrays). The summary, the verdict and
+        sequential sampling all count these, and only these."""
+        selected = (requests["phase"] == "measured") & requests["valid"]
+        return selected if self.turn is None else selected & (requests["turn"] == self.turn)
+
     def rows(self, requests: pd.DataFrame) -> pd.DataFrame:
-        """The requests this figure's samples come from: measured, valid, of its turn (servegrid.aggregate's
-        derived table). The summary, the verdict and sequential sampling all count these, and only these."""
-        rows = requests[(requests["phase"] == "measured") & requests["valid"]]
-        return rows if self.turn is None else rows[rows["turn"] == self.turn]
+        """The rows of :meth:`mask`."""
+        return requests[self.mask(requests)]
 
 
 @dataclass(frozen=True)
