@@ -330,6 +330,10 @@ class ReportData:
         return list(self.experiment.configurations).index(name) + 1
 
     def configurations(self) -> list[dict[str, Any]]:
+        return self._configurations  # asked for in every row of every table: made once
+
+    @cached_property
+    def _configurations(self) -> list[dict[str, Any]]:
         out = []
         for index, (name, conf) in enumerate(self.experiment.configurations.items(), 1):
             sessions = self.servers[self.servers["configuration"] == name] if len(self.servers) else self.servers
