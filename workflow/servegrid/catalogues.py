@@ -16,8 +16,9 @@ from babel import Locale
 from babel.dates import format_date, format_datetime
 from babel.messages.mofile import write_mo
 from babel.messages.pofile import read_po
-from babel.numbers import format_decimal
+from babel.numbers import format_decimal, format_percent
 from babel.support import Translations
+from babel.units import format_unit
 
 from servegrid import stats
 from servegrid.errors import ConfigError
@@ -70,21 +71,21 @@ class Formatter:
         text = self.num(value, digits)
         return text if text == "–" else f"{text}×"
 
-    def seconds(self, value: Any) -> str:
+    def unit(self, value: Any, unit: str, digits: int) -> str:
+        """``value`` in a CLDR unit (``duration-second``), written as the language writes it ("2,50 mp")."""
         if stats.missing(value):
             return "–"
-        digits = 2 if abs(value) < 10 else 1
-        return f"{self.num(value, digits)} s"
+        pattern = "#,##0" + ("." + "0" * digits if digits > 0 else "")
+        return format_unit(value, unit, length="short", format=pattern, locale=self.locale)
+
+    def seconds(self, value: Any) -> str:
+        return self.unit(value, "duration-second", 2 if not stats.missing(value) and abs(value) < 10 else 1)
 
     def ms(self, value: Any) -> str:
-        if stats.missing(value):
-            return "–"
-        return f"{self.num(value * 1000, 1)} ms"
+        return self.unit(None if stats.missing(value) else value * 1000, "duration-millisecond", 1)
 
     def percent(self, value: Any) -> str:
-        if stats.missing(value):
-            return "–"
-        return f"{self.num(value * 100, 0)} %" if self.locale.language == "hu" else f"{self.num(value * 100, 0)}%"
+        return "–" if stats.missing(value) else format_percent(value, format="#,##0%", locale=self.locale)
 
     def date(self, value: datetime | None) -> str:
         return "–" if value is None else format_date(value, format="long", locale=self.locale)

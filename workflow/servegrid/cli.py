@@ -8,22 +8,24 @@
     servegrid cell run CELL                measure one cell, e.g. prefix_cache/decode/ctx1024_c1
     servegrid aggregate | figures | report run the downstream stages on the cell files
 
-Every command takes ``--config FILE`` (default: config.yaml).
+Every command takes ``--config FILE`` (default: config.yaml) and ``--log-level``, before or after its
+name (``servegrid validate --config my.yaml``); ``servegrid --version`` prints the version.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import shlex
 import sys
 from dataclasses import asdict
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-from servegrid import paths, procs, server
+from servegrid import logs, paths, procs, server
 from servegrid.config import Cell, Experiment
 from servegrid.errors import ConfigError, guarded
 
@@ -184,47 +186,63 @@ def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    try:
+        return metadata.version("servegrid")
+    except metadata.PackageNotFoundError:  # run from a checkout without installing it
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # --config and --log-level go before the subcommand or after it ("servegrid validate --config my.yaml"):
+    # each subcommand takes them too, with no default of its own, so that one given after it wins.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=argparse.SUPPRESS, help="experiment config (default: config.yaml)")
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help="override operations.log_level")
     parser = argparse.ArgumentParser(
         prog="servegrid", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default="config.yaml", help="experiment config (default: config.yaml)")
     parser.add_argument("--log-level", default=None, help="override operations.log_level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("validate", help="validate the config and list the grid").set_defaults(func=cmd_validate)
+    def add(group: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+        return group.add_parser(name, help=help_text, parents=[common])
 
-    model_p = sub.add_parser("model", help="the tiny CPU model").add_subparsers(dest="action", required=True)
-    build_p = model_p.add_parser("build", help="build the tiny model folder")
+    add(sub, "validate", "validate the config and list the grid").set_defaults(func=cmd_validate)
+
+    model_p = add(sub, "model", "the tiny CPU model").add_subparsers(dest="action", required=True)
+    build_p = add(model_p, "build", "build the tiny model folder")
     build_p.add_argument("--out", help="folder (default: model.path)")
     build_p.set_defaults(func=cmd_model_build)
 
-    srv = sub.add_parser("server", help="bring servers up and down").add_subparsers(dest="action", required=True)
-    argv_p = srv.add_parser("argv", help="print the exact command and environment of a configuration's server")
+    srv = add(sub, "server", "bring servers up and down").add_subparsers(dest="action", required=True)
+    argv_p = add(srv, "argv", "print the exact command and environment of a configuration's server")
     argv_p.add_argument("name")
     argv_p.add_argument("--port", type=int)
     argv_p.add_argument("--json", action="store_true")
     argv_p.set_defaults(func=cmd_server_argv)
-    up_p = srv.add_parser("up", help="start (or reuse) a configuration's server; it stays up until 'down'")
+    up_p = add(srv, "up", "start (or reuse) a configuration's server; it stays up until 'down'")
     up_p.add_argument("name")
     up_p.add_argument("--owner-pid", type=int, help="stop the server when this process exits")
     up_p.set_defaults(func=cmd_server_up)
-    down_p = srv.add_parser("down", help="stop a configuration's server, or all")
+    down_p = add(srv, "down", "stop a configuration's server, or all")
     down_p.add_argument("name", nargs="?")
     down_p.add_argument("--all", action="store_true")
     down_p.set_defaults(func=cmd_server_down)
-    srv.add_parser("status", help="list recorded servers").set_defaults(func=cmd_server_status)
+    add(srv, "status", "list recorded servers").set_defaults(func=cmd_server_status)
 
-    cell_p = sub.add_parser("cell", help="measure cells").add_subparsers(dest="action", required=True)
-    run_p = cell_p.add_parser("run", help="measure one cell")
+    cell_p = add(sub, "cell", "measure cells").add_subparsers(dest="action", required=True)
+    run_p = add(cell_p, "run", "measure one cell")
     run_p.add_argument("cell", help="CONFIGURATION/MODE/ctxCONTEXT_cCONCURRENCY")
     run_p.add_argument("--out", help=f"output file (default: {paths.CELL_PATTERN})")
     run_p.add_argument("--keep-server", action="store_true", help="leave the server up for the next cell")
     run_p.set_defaults(func=cmd_cell_run)
 
-    sub.add_parser("aggregate", help="cell files → Parquet tables").set_defaults(func=cmd_aggregate)
-    sub.add_parser("figures", help="summary → figures").set_defaults(func=cmd_figures)
-    rep_p = sub.add_parser("report", help="tables + figures → HTML and PDF reports")
+    add(sub, "aggregate", "cell files → Parquet tables").set_defaults(func=cmd_aggregate)
+    add(sub, "figures", "summary → figures").set_defaults(func=cmd_figures)
+    rep_p = add(sub, "report", "tables + figures → HTML and PDF reports")
     rep_p.add_argument("--lang", action="append", help="language (repeatable; default: report.languages)")
     rep_p.set_defaults(func=cmd_report)
     return parser
@@ -235,12 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def command() -> int:
         experiment = Experiment.from_file(args.config)
-        logging.basicConfig(
-            level=args.log_level or experiment.operations.log_level,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-        for noisy in ("httpx", "httpcore"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
+        logs.configure(args.log_level or experiment.operations.log_level)
         return int(args.func(experiment, args))
 
     return guarded(command)

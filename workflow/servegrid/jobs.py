@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from servegrid import atomic, server
+from servegrid import atomic, logs, server
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, guarded
 
@@ -27,7 +27,7 @@ def _setup_logging(smk: Any) -> None:
     if smk.log:
         Path(smk.log[0]).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(smk.log[0], mode="w"))
-    logging.basicConfig(level="INFO", handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure("INFO", handlers)
 
 
 def _run(smk: Any, body: Callable[[Experiment], None]) -> None:
@@ -37,9 +37,7 @@ def _run(smk: Any, body: Callable[[Experiment], None]) -> None:
     def job() -> None:
         experiment = Experiment(smk.config)
         logging.getLogger().setLevel(experiment.operations.log_level)
-        # One line per HTTP request would drown the job's own messages.
-        for noisy in ("httpx", "httpcore"):
-            logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+        logs.quiet_libraries()
         body(experiment)
 
     code = guarded(job, logging.getLogger("servegrid"))
