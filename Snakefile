@@ -52,6 +52,7 @@ rule report:
 
 onsuccess:
     stop_all_servers("pipeline finished")
+    print_run_summary()
 
 
 onerror:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -256,3 +258,30 @@ def test_each_cell_is_resampled_once_with_a_seed_of_its_own_and_its_ratio_interv
     # The same tables on every run: the seed comes from the cell, not from the process.
     assert np.array_equal(verdict.CellSamples(pd.DataFrame(rows)).medians(a), samples.medians(a))
     assert samples.ratio_ci(a, ("d", "single_turn", 1024, 4)) == (None, None)  # no such cell: no interval
+
+
+def test_the_run_summary_names_each_class_winner_the_invalid_cells_and_the_reports(demo_grid, tmp_path):
+    from servegrid import paths, run_summary
+
+    experiment, cells = demo_grid
+    assert run_summary.text(experiment).startswith("servegrid: no tables yet")
+    bad = next(c for c in experiment.cells() if c.configuration == "ngram" and c.mode == "decode")
+    synthetic_cell(tmp_path / bad.path, "ngram", "decode", 512, bad.concurrency, ttft_s=0.1, interval_s=0.002,
+                   errors=2)  # fmt: skip
+    Path(paths.SUMMARY_TABLE).parent.mkdir(parents=True)
+    aggregate.aggregate(
+        experiment, cells, paths.REQUESTS_TABLE, paths.SUMMARY_TABLE, paths.SERVERS_TABLE, paths.COMPARISONS_TABLE,
+        verdict_out=paths.VERDICT_TABLE,
+    )  # fmt: skip
+    Path(paths.REPORT_PATTERN.format(lang="hu", ext="html")).parent.mkdir(parents=True)
+    Path(paths.REPORT_PATTERN.format(lang="hu", ext="html")).write_text("<html></html>")
+    lines = run_summary.text(experiment).splitlines()
+    assert lines[0].startswith("servegrid: 12 cells, 1 invalid, 0 imprecise")
+    rows = {line[:26].strip(): line[26:].split() for line in lines[5:8]}
+    assert rows["Decode, cold prompts"][:2] == ["wins", "ngram"]  # the other concurrency level still compares
+    assert rows["Single-turn, shared prefix"][:2] == ["wins", "prefix_cache"]
+    low, high = (float(x) for x in rows["Single-turn, shared prefix"][2].rstrip("x").split("-"))
+    assert 9.5 < low <= high < 10.5  # the synthetic cells' factor of 10
+    assert rows["Multi-turn, turn-2 TTFT"][:2] == ["wins", "prefix_cache"]
+    assert f"  {bad.id}: 2 failed requests" in lines
+    assert lines[-2:] == ["Reports:", f"  {paths.REPORT_PATTERN.format(lang='hu', ext='html')}"]

@@ -4,10 +4,10 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from servegrid import cluster, paths
+from servegrid import cluster, paths, run_summary
 from servegrid import server as servers
 from servegrid.config import Experiment, canonical_json
-from servegrid.errors import ServerError
+from servegrid.errors import ServegridError, ServerError
 from servegrid.figure_list import figure_paths
 from servegrid.procs import ProcessRef
 from servegrid.schema import read_yaml
@@ -176,6 +176,18 @@ def stop_priority(wildcards):
 
 def model_inputs(wildcards):
     return [] if EXPERIMENT.tiny_model_spec() is None else [EXPERIMENT.model.path]
+
+
+def print_run_summary():
+    """The verdict, the invalid cells and the report paths, as the run's last lines (servegrid summary)."""
+    try:
+        print("\n" + run_summary.text(EXPERIMENT))
+    except (
+        ServegridError,
+        OSError,
+        ValueError,
+    ) as exc:  # a summary that fails never fails the run
+        print(f"servegrid: no summary ({exc}); see results/tables/")
 
 
 def stop_all_servers(reason):

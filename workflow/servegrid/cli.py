@@ -7,6 +7,7 @@
     servegrid server status | down NAME | down --all
     servegrid cell run CELL                measure one cell, e.g. prefix_cache/decode/ctx1024_c1
     servegrid aggregate | figures | report run the downstream stages on the cell files
+    servegrid summary                      the verdict, invalid cells and report paths, as the run ends
 
 Every command takes ``--config FILE`` (default: config.yaml) and ``--log-level``, before or after its
 name (``servegrid validate --config my.yaml``); ``servegrid --version`` prints the version.
@@ -193,6 +194,13 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def cmd_summary(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import run_summary
+
+    print(run_summary.text(experiment))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --config and --log-level go before the subcommand or after it ("servegrid validate --config my.yaml"):
     # each subcommand takes them too, with no default of its own, so that one given after it wins.
@@ -245,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep_p = add(sub, "report", "tables + figures → HTML and PDF reports")
     rep_p.add_argument("--lang", action="append", help="language (repeatable; default: report.languages)")
     rep_p.set_defaults(func=cmd_report)
+    add(sub, "summary", "the verdict, invalid cells and report paths as text").set_defaults(func=cmd_summary)
     return parser
 
 
