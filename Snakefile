@@ -3,7 +3,7 @@
     config.yaml ─► tiny_model? ─► server_spec ─► cell × grid ─► server_stop
                                                    │                │
                                                    ▼                ▼
-                      aggregate (Parquet) ─► figures ─► report_document (pt, hu × HTML, PDF)
+                      aggregate (Parquet) ─► figures ─► report_html, report_pdf (pt, hu)
 
 `snakemake --cores 1 report` runs what is stale; `snakemake -n report` shows
 what would run and why.
@@ -26,7 +26,8 @@ if not workflow.config_settings.configfiles:
 localrules:
     aggregate,
     figures,
-    report_document,
+    report_html,
+    report_pdf,
     report,
 
 
@@ -45,8 +46,7 @@ include: "workflow/rules/report.smk"
 rule report:
     default_target: True
     input:
-        expand(paths.REPORT_HTML_PATTERN, lang=LANGUAGES),
-        expand(paths.REPORT_PDF_PATTERN, lang=LANGUAGES),
+        expand(paths.REPORT_PATTERN, lang=LANGUAGES, ext=EXPERIMENT.report_formats),
         all_cells(),
 
 

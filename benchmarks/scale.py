@@ -20,12 +20,13 @@ For each size, in a temporary working directory of its own (the Snakefile, ``wor
    ``ru_maxrss`` from ``os.wait4`` (the largest single process of its tree: the child or one it waited for):
 
    - ``dry run``: ``snakemake -n report``: the whole DAG built, every file's state checked, and the
-     downstream jobs (aggregate, figures × 2, report_document × 2) planned; the script checks that
+     downstream jobs (aggregate, figures × 2, report_html × 2, report_pdf × 2) planned; the script checks that
      nothing else is planned.
-   - ``aggregate``, ``figures (pt+hu)``, ``report pt``, ``report hu``: the pipeline's downstream stages,
-     through the package's CLI (``servegrid aggregate``, ``servegrid figures``, which draws both languages in
-     one process, and ``servegrid report --lang L``, HTML and PDF): the functions the Snakemake jobs call,
-     without Snakemake's per-job start-up.
+   - ``aggregate``, ``figures (pt+hu)``, ``report html L``, ``report pdf L``: the pipeline's downstream
+     stages, through the package's CLI (``servegrid aggregate``, ``servegrid figures``, which draws both
+     languages in one process, and ``servegrid report --lang L --format F``, one document as one
+     ``report_html`` or ``report_pdf`` job makes it): the functions the Snakemake jobs call, without
+     Snakemake's per-job start-up.
    - ``DAG (nothing to do)``: ``snakemake -n report`` again, once the tables, figures and reports exist:
      the DAG construction and up-to-date checks alone; the script checks that it plans nothing.
    - ``setup: --touch …`` (timed, but set-up rather than a stage): Snakemake reruns a job whose output it
@@ -560,8 +561,10 @@ def measure_size(size: int, workdir: Path) -> SizeResult:
         ("dry run", dry_run),
         ("aggregate", [*cli, "aggregate"]),
         ("figures (pt+hu)", [*cli, "figures"]),
-        ("report pt", [*cli, "report", "--lang", "pt"]),
-        ("report hu", [*cli, "report", "--lang", "hu"]),
+        ("report html pt", [*cli, "report", "--lang", "pt", "--format", "html"]),
+        ("report pdf pt", [*cli, "report", "--lang", "pt", "--format", "pdf"]),
+        ("report html hu", [*cli, "report", "--lang", "hu", "--format", "html"]),
+        ("report pdf hu", [*cli, "report", "--lang", "hu", "--format", "pdf"]),
         ("setup: --touch report", [*snakemake, "--cores", "1", "--touch", "report", "--configfile", CONFIG]),
         ("DAG (nothing to do)", dry_run),
     ]
@@ -571,7 +574,7 @@ def measure_size(size: int, workdir: Path) -> SizeResult:
         print(f"   {name:<22} {measured.seconds:8.2f} s {measured.peak_mib:8.0f} MiB", flush=True)
         if name == "dry run":
             jobs = planned_jobs(measured.log)
-            wanted = {"aggregate": 1, "figures": 2, "report_document": 2, "report": 1, "total": 6}
+            wanted = {"aggregate": 1, "figures": 2, "report_html": 2, "report_pdf": 2, "report": 1, "total": 8}
             if jobs != wanted:
                 raise SystemExit(f"the dry run plans {jobs}, not only the downstream jobs {wanted}")
         if name == "DAG (nothing to do)" and "Nothing to be done" not in measured.log:

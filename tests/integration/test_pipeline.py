@@ -176,7 +176,7 @@ def test_adding_a_concurrency_level_plans_exactly_the_new_cells(pipeline_run, ba
     raw["workloads"]["decode"]["concurrency"] = [1, 2, 3]
     counts, cells = plan(workdir, raw)
     assert cells == {f"results/cells/{c}/decode/ctx256_c3.parquet" for c in ("prefix_cache", "ngram")}
-    assert counts["aggregate"] == 1 and counts["report_document"] == 2
+    assert counts["aggregate"] == 1 and counts["report_html"] == counts["report_pdf"] == 2
     assert "server_spec" not in counts
 
 
@@ -208,7 +208,7 @@ def test_deleting_one_cell_reruns_only_that_cell(pipeline_run, baseline):
         os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert cells == {"results/cells/prefix_cache/multi_turn/ctx256_c1.parquet"}
     assert counts["cell"] == 1 and counts["aggregate"] == 1
-    assert counts["figures"] == counts["report_document"] == 2  # one of each per language: pt, hu
+    assert counts["figures"] == counts["report_html"] == counts["report_pdf"] == 2  # one each per language: pt, hu
 
 
 def test_a_template_change_rebuilds_only_the_report(pipeline_run, baseline):
@@ -217,7 +217,7 @@ def test_a_template_change_rebuilds_only_the_report(pipeline_run, baseline):
     template.write_text(template.read_text() + "\n/* edited */\n")
     counts, cells = plan(workdir, baseline)
     assert cells == set()
-    assert counts == {"report_document": 2, "report": 1}
+    assert counts == {"report_html": 2, "report_pdf": 2, "report": 1}
     run(workdir, baseline, "test.yaml")
 
 
@@ -228,7 +228,7 @@ def test_editing_a_label_redraws_exactly_the_figures_and_reports(pipeline_run, b
     raw["configurations"]["ngram"]["label"] = "ngram, relabelled"  # one for every language
     counts, cells = plan(workdir, raw)
     assert cells == set()
-    assert counts == {"figures": 2, "report_document": 2, "report": 1}
+    assert counts == {"figures": 2, "report_html": 2, "report_pdf": 2, "report": 1}
     run(workdir, raw)
     html = (workdir / "results" / "report" / "servegrid-pt.html").read_text()
     assert "ngram, relabelled" in html and old not in html  # headers and winner columns alike
@@ -242,7 +242,7 @@ def test_editing_the_title_or_hardware_rebuilds_exactly_the_reports(pipeline_run
     raw["experiment"][key] = value
     counts, cells = plan(workdir, raw)
     assert cells == set()
-    assert counts == {"report_document": 2, "report": 1}
+    assert counts == {"report_html": 2, "report_pdf": 2, "report": 1}
 
 
 def test_changing_one_configurations_server_starts_only_that_server(pipeline_run, baseline):

@@ -30,7 +30,7 @@ def test_seed_config_plans_every_cell_of_the_grid(workdir):
     counts = planned(snakemake(workdir, "-n", "report"))
     assert counts["cell"] == 82
     assert counts["server_spec"] == counts["server_stop"] == 2
-    assert counts["report_document"] == 2
+    assert counts["report_html"] == counts["report_pdf"] == 2
     assert "tiny_model" not in counts
 
 

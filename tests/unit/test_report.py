@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 from babel.messages.extract import extract_from_dir, extract_python
 from babel.messages.pofile import read_po
+from babel.numbers import format_percent
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
+from helpers import with_changes
 from servegrid import catalogues, figure_list, figures, figures_run, modes, report
 from servegrid.catalogues import LOCALES
-from servegrid.errors import ConfigError
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError, ReportError
 from servegrid.report import TEMPLATES
 
 
@@ -58,10 +62,11 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
     assert "sessões sustentadas: 4" in production_pt and "em nenhum ponto" in production_pt
     assert "fenntartott session: 4" in production_hu and "sehol" in production_hu
     # Per cell, the share of requests within the objectives: ngram's 2 ms per token meets TPOT p90 ≤ 4 ms in
-    # every request, prefix caching's 5 ms in none (Portuguese writes 100%, Hungarian 100 %).
+    # every request, prefix caching's 5 ms in none (each language writes its percent as CLDR, through Babel, does).
     attainment = production_pt.split('class="grid attainment"')[1].split("</table>")[0]
     assert attainment.count("<tr>") == 1 + 2 and attainment.count(">100%<") == 2 and attainment.count(">0%<") == 2
-    assert production_hu.split('class="grid attainment"')[1].count(">100 %<") == 2
+    hundred_hu = format_percent(1, locale="hu")
+    assert production_hu.split('class="grid attainment"')[1].count(f">{hundred_hu}<") == 2
     # ngram meets TPOT p90 ≤ 4 ms at both concurrencies of the one decode context: the conclusion says so.
     assert re.search(r"“especulação ngram \(3 tokens\), sem prefix caching” sustenta o maior número de sessões "
                      r"concorrentes em 1 de 1 contextos", pt)  # fmt: skip
@@ -206,3 +211,29 @@ def test_a_figure_of_one_panel_per_context_shows_at_most_six_and_says_which(demo
                                                           "total": "13"}  # fmt: skip
     assert data.panels_shown("decode", pareto) is not None
     assert data.panels_shown("single_turn", by_concurrency) is None  # no cells of that mode: nothing left out
+
+
+def test_the_html_report_needs_no_pdf_stack_and_a_missing_one_fails_the_pdf_alone_saying_why(
+    demo_grid,  # noqa: F811 - the fixture
+    tmp_path,
+    monkeypatch,
+):
+    experiment, cells = demo_grid
+    run_aggregate(experiment, cells, tmp_path)
+    monkeypatch.setitem(sys.modules, "weasyprint", None)  # as on a host without WeasyPrint: importing it fails
+    tables = {f"{name}_path": str(tmp_path / f"{name}.parquet")
+              for name in ("summary", "comparisons", "servers", "verdict", "crossovers", "production")}  # fmt: skip
+    html = tmp_path / "only.html"
+    report.render(experiment, "pt", figures_dir=tmp_path / "no-figures", html_out=str(html), **tables)
+    assert "</html>" in html.read_text(encoding="utf-8")
+    pdf = tmp_path / "only.pdf"
+    with pytest.raises(ReportError, match=r"needs WeasyPrint .* set report\.formats: \[html\] to build it alone"):
+        report.render(experiment, "pt", figures_dir=tmp_path / "no-figures", pdf_out=str(pdf), **tables)
+    assert not pdf.exists()
+
+
+def test_report_formats_is_validated_and_chooses_the_documents(demo_raw):
+    assert Experiment(with_changes(demo_raw)).report_formats == ["html", "pdf"]
+    assert Experiment(with_changes(demo_raw, **{"report.formats": ["html"]})).report_formats == ["html"]
+    with pytest.raises(ConfigError, match=r"report\.formats\[0\]: 'docx' is not one of \['html', 'pdf'\]"):
+        Experiment(with_changes(demo_raw, **{"report.formats": ["docx"]}))

@@ -181,7 +181,8 @@ def model_inputs(wildcards):
 def print_run_summary():
     """The verdict, the invalid cells and the report paths, as the run's last lines (servegrid summary)."""
     try:
-        print("\n" + run_summary.text(EXPERIMENT))
+        print()
+        print(run_summary.text(EXPERIMENT))
     except (
         ServegridError,
         OSError,
@@ -198,3 +199,23 @@ def stop_all_servers(reason):
     ):
         if outcome["was_running"]:
             print(f"servegrid: stopped server session {outcome['session']} ({reason})")
+
+
+def report_inputs(wildcards):
+    return {
+        "summary": paths.SUMMARY_TABLE,
+        "comparisons": paths.COMPARISONS_TABLE,
+        "servers": paths.SERVERS_TABLE,
+        "figures": figure_paths(
+            EXPERIMENT, paths.FIGURES_LANG_DIR.format(lang=wildcards.lang)
+        ),
+        "verdict": paths.VERDICT_TABLE,
+        "crossovers": paths.CROSSOVERS_TABLE,
+        "production": paths.PRODUCTION_TABLE,
+        "templates": REPORT_TEMPLATES,
+        "catalogue": f"report/locales/{wildcards.lang}/LC_MESSAGES/messages.po",
+    }
+
+
+# The title, hardware, labels, flags and settings the report prints: editing one rebuilds the reports.
+REPORT_SHOWN = canonical_json(EXPERIMENT.presentation())

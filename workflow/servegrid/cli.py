@@ -166,9 +166,10 @@ def cmd_figures(experiment: Experiment, args: argparse.Namespace) -> int:
 def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
     from servegrid import report
 
+    formats = args.format or experiment.report_formats
     for lang in args.lang or experiment.languages:
-        html = paths.REPORT_PATTERN.format(lang=lang, ext="html")
-        pdf = paths.REPORT_PATTERN.format(lang=lang, ext="pdf")
+        html = paths.REPORT_PATTERN.format(lang=lang, ext="html") if "html" in formats else None
+        pdf = paths.REPORT_PATTERN.format(lang=lang, ext="pdf") if "pdf" in formats else None
         report.render(
             experiment,
             lang,
@@ -182,8 +183,9 @@ def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
             html_out=html,
             pdf_out=pdf,
         )
-        print(html)
-        print(pdf)
+        for written in (html, pdf):
+            if written:
+                print(written)
     return 0
 
 
@@ -252,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(sub, "figures", "summary → figures").set_defaults(func=cmd_figures)
     rep_p = add(sub, "report", "tables + figures → HTML and PDF reports")
     rep_p.add_argument("--lang", action="append", help="language (repeatable; default: report.languages)")
+    rep_p.add_argument(
+        "--format", action="append", choices=["html", "pdf"], help="(repeatable; default: report.formats)"
+    )
     rep_p.set_defaults(func=cmd_report)
     add(sub, "summary", "the verdict, invalid cells and report paths as text").set_defaults(func=cmd_summary)
     return parser

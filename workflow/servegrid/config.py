@@ -113,6 +113,7 @@ class Experiment:
         self.validity: Validity = section(Validity, r["validity"])
         self.verdict = VerdictRules.from_config(r["verdict"])
         self.languages: list[str] = list(r["report"]["languages"])
+        self.report_formats: list[str] = list(r["report"]["formats"])
         self.report_baseline: str | None = r["report"]["baseline"]
         # Service-level objectives per enabled mode (servegrid.slo); a mode without any has no production row.
         # A disabled mode keeps its objectives for when it is enabled again (the schema names only real modes).

@@ -138,8 +138,9 @@ def render_report(smk: Any) -> None:
             production_path=smk.input.production,
             servers_path=smk.input.servers,
             figures_dir=Path(smk.params.figures_dir),
-            html_out=smk.output.html,
-            pdf_out=smk.output.pdf,
+            # report_html or report_pdf: one document per job.
+            html_out=smk.output[0] if smk.output[0].endswith(".html") else None,
+            pdf_out=smk.output[0] if smk.output[0].endswith(".pdf") else None,
         )
 
     _run(smk, body)

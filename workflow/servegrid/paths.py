@@ -25,8 +25,6 @@ FIGURES_DIR = f"{RESULTS}/figures"
 FIGURES_LANG_DIR = FIGURES_DIR + "/{lang}"
 REPORT_DIR = f"{RESULTS}/report"
 REPORT_PATTERN = REPORT_DIR + "/servegrid-{lang}.{ext}"
-REPORT_HTML_PATTERN = REPORT_DIR + "/servegrid-{lang}.html"
-REPORT_PDF_PATTERN = REPORT_DIR + "/servegrid-{lang}.pdf"
 
 
 def cell(configuration: str, mode: str, context: int, concurrency: int) -> str:

@@ -140,17 +140,14 @@ def render(
     comparisons_path: str,
     servers_path: str,
     figures_dir: Path,
-    html_out: str,
-    pdf_out: str,
+    html_out: str | None = None,
+    pdf_out: str | None = None,
     verdict_path: str | None = None,
     crossovers_path: str | None = None,
     production_path: str | None = None,
 ) -> None:
-    try:
-        from weasyprint import HTML  # imported late: it is slow to import and only this step needs it
-    except (ImportError, OSError) as exc:  # OSError: WeasyPrint found no Pango
-        raise ReportError(f"the PDF report needs WeasyPrint and its system libraries (Pango): {exc}") from exc
-
+    """The report in ``lang``: the HTML page to ``html_out`` and/or the PDF to ``pdf_out`` (each its own job)."""
+    HTML = _pdf_engine() if pdf_out else None  # first: a host without the PDF stack fails before any work
     data = ReportData(
         experiment,
         read_table(summary_path),
@@ -161,7 +158,22 @@ def render(
         production=read_table(production_path) if production_path else None,
     )
     prov = provenance(experiment)
-    atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))
-    printable = render_html(experiment, lang, data, figures_dir, "print", prov)
-    with atomic.atomic_path(pdf_out) as tmp:
-        HTML(string=printable, base_url=str(REPORT_ROOT)).write_pdf(tmp)
+    if html_out:
+        atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))
+    if pdf_out and HTML is not None:
+        printable = render_html(experiment, lang, data, figures_dir, "print", prov)
+        with atomic.atomic_path(pdf_out) as tmp:
+            HTML(string=printable, base_url=str(REPORT_ROOT)).write_pdf(tmp)
+
+
+def _pdf_engine() -> Any:
+    """WeasyPrint's HTML class, imported only for a PDF: it is slow to import and needs Pango, which a host
+    that only wants the HTML report may lack (report.formats: [html])."""
+    try:
+        from weasyprint import HTML
+    except (ImportError, OSError) as exc:  # OSError: WeasyPrint found no Pango
+        raise ReportError(
+            f"the PDF report needs WeasyPrint and its system libraries (Pango): {exc}. The HTML report does not; "
+            "set report.formats: [html] to build it alone"
+        ) from exc
+    return HTML

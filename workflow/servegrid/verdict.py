@@ -8,6 +8,9 @@ requests; when it includes 1 the group is a tie. When either cell ran into the
 KV-cache capacity the group is "neither — KV limit": the figure then measures
 the pool, not the configuration. For every pair of configurations, the
 crossover is where the lead between them changes as the load grows.
+
+This module runs over 300 lines because it is the whole verdict engine (ranking, duels and their shared
+bootstrap, classes, crossovers): every rule that turns numbers into a verdict reads in one place.
 """
 
 from __future__ import annotations
