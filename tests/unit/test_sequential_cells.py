@@ -147,3 +147,43 @@ def test_a_stage_plans_counts_only_its_running_time_and_stops_when_a_stage_adds_
     late.next_rounds([], 0.0)
     late.time_up()  # the limit passed while the cell was judged: the planned stage never runs
     assert late.stages == [] and late.reason == "max_duration" and late.active_s == 0
+
+
+def test_a_cell_says_where_the_grid_and_each_stage_stand(sandbox, tmp_path, caplog, monkeypatch):
+    from servegrid import progress
+
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.05)  # the in-stage line, every 10 s in a real run
+    experiment = sequential("decode", DECODE, server_args=("--jitter", "0.0049"))
+    with caplog.at_level("INFO"):
+        measure(experiment, sandbox, tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    (cell,) = experiment.cells("honest")
+    assert f"grid: 0 of 1 cells measured, starting {cell.id}" in lines
+    stage_ends = [line for line in lines if line.startswith(f"cell {cell.id}: stage ") and " samples in " in line]
+    assert [line.split(" done, ")[1].split(" samples")[0] for line in stage_ends] == ["8", "12", "18", "24"]
+    assert "target ±5%" in stage_ends[0] and stage_ends[0].endswith("next stage: 2 round(s) of 2 session(s)")
+    assert stage_ends[-1].endswith("stops: max_samples")
+    ticks = [line for line in lines if line.startswith(f"cell {cell.id}: stage 1: ") and "requests done" in line]
+    assert ticks and all(" of 8 requests done" in line and "stage ETA" in line for line in ticks)
+
+
+def test_progress_durations_read_as_people_write_them():
+    from servegrid.progress import duration
+
+    assert [duration(s) for s in (0.4, 42, 185, 7260)] == ["0 s", "42 s", "3 min 05 s", "2 h 01 min"]
+
+
+def test_the_grid_line_counts_the_cells_and_estimates_from_the_last_ones_written(tmp_path, monkeypatch, demo_raw):
+    from test_aggregate_verdict import decode_only
+
+    from servegrid import progress, records
+
+    monkeypatch.chdir(tmp_path)
+    experiment = decode_only(demo_raw)
+    first, second = experiment.cells()
+    assert progress.grid_line(experiment, first) == f"grid: 0 of 2 cells measured, starting {first.id}"
+    timed = {"started_at": "2026-12-03T10:00:00.000+00:00", "ended_at": "2026-12-03T10:01:30.000+00:00"}
+    records.write_cell(first.path, [], timed)
+    assert progress.grid_line(experiment, second) == (
+        f"grid: 1 of 2 cells measured, starting {second.id}; about 1 min 30 s left (1 min 30 s a cell over the last 1)"
+    )

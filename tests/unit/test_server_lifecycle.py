@@ -77,13 +77,20 @@ def test_the_same_failure_is_not_retried_within_one_owner(sandbox):
     assert time.monotonic() - started < 1
 
 
-def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(sandbox):
+def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(sandbox, caplog, monkeypatch):
+    from servegrid import progress
+
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.5)  # every 10 s in a real run
     sandbox.startup_timeout_s = 3
-    with pytest.raises(ServerError, match=r"did not become healthy within 3 s") as error:
+    with caplog.at_level("INFO"), pytest.raises(ServerError, match=r"did not become healthy within 3 s") as error:
         server.ensure(fake_spec("fake", "--never-healthy"), sandbox, owner=None)
     assert "CPU KV cache size" in str(error.value)
     pgid = _record(sandbox, "fake")["pgid"]
     assert _group_alive(pgid) == []
+    # Meanwhile it said, every so often, how long it had waited and what the server's log last said.
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("server fake starting: ")]
+    assert len(waits) >= 3 and all(" of at most 3 s; its log says: " in w for w in waits)
+    assert any("CPU KV cache size" in w for w in waits)
 
 
 def test_an_unexecutable_command_fails_fast(sandbox):

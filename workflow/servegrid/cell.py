@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from servegrid import engines, hostinfo, measurement, placement, procs, records, server, state
+from servegrid import engines, hostinfo, measurement, placement, procs, progress, records, server, state
 from servegrid.config import Cell, Experiment
 from servegrid.engines import Engine
 from servegrid.errors import CellError, CellStalled
@@ -86,6 +86,7 @@ def _run_cell(
     ).client_cpus
     hostinfo.check_cpus(client_cpus, "operations.client_cpus")
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+    log.info("%s", progress.grid_line(experiment, cell))
     with server.lease(cell.configuration, runtime):
         facts = server.ensure(spec, runtime, owner)
         need = experiment.longest_request(cell.mode, cell.context)

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from servegrid import atomic, engines, hostinfo, hostlocks, paths, procs, redact, state
+from servegrid import atomic, engines, hostinfo, hostlocks, paths, procs, progress, redact, state
 from servegrid.config import spec_hash
 from servegrid.engines import Engine
 from servegrid.errors import ServerError
@@ -326,8 +326,15 @@ def _wait_healthy(
     configuration = spec["configuration"]
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
+    tick = progress.Every()
     with httpx.Client(timeout=2.0, headers=auth_headers(spec)) as client:
         while True:
+            if tick.due():  # a GPU server can take many minutes: say it is on its way, and where
+                last = log_tail(log_path, 1).strip()[:200] or "(nothing logged yet)"
+                log.info(
+                    "server %s starting: %s of at most %s; its log says: %s",
+                    configuration, progress.duration(time.monotonic() - started), progress.duration(timeout_s), last,
+                )  # fmt: skip
             record = state.read(record_path)
             if record and identity(record.get("session", "")) != expected_name:
                 record = None  # an earlier session's last words, not this launch's

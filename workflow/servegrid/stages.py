@@ -13,19 +13,22 @@ of :func:`servegrid.aggregate.derive`, so the cell counts exactly what the summa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 
-from servegrid import aggregate, records, sampling
+from servegrid import aggregate, progress, records, sampling
 from servegrid.modes.base import Primary
 from servegrid.request_record import RequestRecord
 from servegrid.sampling import Decision, SamplingRule
 
 # Why a cell stopped: the rule's reasons, "fixed" (a fixed count, no rule) or "no_samples" (a stage added
 # no valid primary sample: every request failed, so more of them would not make the cell more precise).
+log = logging.getLogger(__name__)
+
 StopReason = Literal["precise", "max_samples", "max_duration", "fixed", "no_samples"]
 
 
@@ -50,12 +53,14 @@ class StagePlan:
     stages: list[dict[str, Any]] = field(default_factory=list)
     decision: Decision | None = None
     reason: StopReason | None = None
+    label: str = ""  # the cell's id, for its progress lines
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any], primary: Primary) -> StagePlan:
         """A cell's plan from its settings (Experiment.cell_settings): its rule, else its fixed count and limit."""
         rule_fields, workload = settings["sampling"].get("rule"), settings["workload"]
         return cls(
+            label=settings.get("cell", ""),
             concurrency=settings["concurrency"],
             primary=primary,
             rule=SamplingRule(**rule_fields) if rule_fields else None,
@@ -83,9 +88,23 @@ class StagePlan:
             n = int(values.size)
             self.stages[-1]["n_after"] = n
             rounds = self._after_stage(values, elapsed_s)
+            log.info("%s", self._stage_line(n, elapsed_s, rounds))
         if rounds:
             self.stages.append({"rounds": rounds, "n_before": n})
         return rounds
+
+    def _stage_line(self, n: int, elapsed_s: float, rounds: int) -> str:
+        """A stage's end, as the cell's progress line: its samples, its precision, what comes next."""
+        line = f"cell {self.label}: stage {len(self.stages)} done, {n} samples in {progress.duration(elapsed_s)}"
+        width = None if self.decision is None else self.decision.rel_half_width
+        if self.rule is not None:
+            shown = "n too small" if width is None else f"±{width:.1%}"
+            line += f", median {shown} (target ±{self.rule.target_rel_ci:.0%})"
+            if self.rule.max_duration_s != float("inf"):
+                line += f", at most {progress.duration(self.rule.max_duration_s)}"
+        if rounds:
+            return f"{line}; next stage: {rounds} round(s) of {self.concurrency} session(s)"
+        return f"{line}; stops: {self.reason}"
 
     def _after_stage(self, values: np.ndarray, elapsed_s: float) -> int:
         if self.rule is None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 
+from servegrid import progress
 from servegrid.request_record import RequestRecord
 
 if TYPE_CHECKING:
@@ -254,7 +255,12 @@ async def measure_in_stages(
                 intended = await send(s, first + i, content, intended)
 
         ctx.plan.stage_started(ctx.elapsed_s())
-        await run_sessions(ctx, session)
+        planned = rounds * ctx.concurrency * int(ctx.workload.get("turns", 1))  # requests, every turn counted
+        ticker = asyncio.create_task(progress.stage_ticker(ctx, len(ctx.plan.stages), planned, len(ctx.records)))
+        try:
+            await run_sessions(ctx, session)
+        finally:
+            ticker.cancel()
         ctx.plan.stage_ended(ctx.elapsed_s())
         done += rounds
         await ctx.pause_timing()
