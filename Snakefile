@@ -4,6 +4,8 @@
                                                    │                │
                                                    ▼                ▼
                       aggregate (Parquet) ─► figures ─► report_html, report_pdf (pt, hu)
+                                │
+                                └─► export (CSV, vllm bench serve JSON)
 
 `snakemake --cores 1 report` runs what is stale; `snakemake -n report` shows
 what would run and why.
@@ -25,6 +27,7 @@ if not workflow.config_settings.configfiles:
 # Snakemake runs, without a queue wait.
 localrules:
     aggregate,
+    export,
     figures,
     report_html,
     report_pdf,
@@ -36,6 +39,7 @@ include: "workflow/rules/model.smk"
 include: "workflow/rules/servers.smk"
 include: "workflow/rules/cells.smk"
 include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/report.smk"
 
@@ -47,6 +51,9 @@ rule report:
     default_target: True
     input:
         expand(paths.REPORT_PATTERN, lang=LANGUAGES, ext=EXPERIMENT.report_formats),
+        paths.BENCH_EXPORT_DIR,
+        paths.SUMMARY_CSV,
+        paths.REQUESTS_CSV,
         all_cells(),
 
 

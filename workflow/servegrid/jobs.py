@@ -144,3 +144,17 @@ def render_report(smk: Any) -> None:
         )
 
     _run(smk, body)
+
+
+def export(smk: Any) -> None:
+    import pandas as pd
+
+    from servegrid import export as exports
+
+    def body(experiment: Experiment) -> None:
+        requests, summary = pd.read_parquet(smk.input.requests), pd.read_parquet(smk.input.summary)
+        exports.write_bench_results(requests, summary, smk.params.model, Path(smk.output.bench))
+        exports.write_csv(summary, smk.output.summary_csv)
+        exports.write_csv(requests, smk.output.requests_csv)
+
+    _run(smk, body)
