@@ -8,6 +8,7 @@
     servegrid cell run CELL                measure one cell, e.g. prefix_cache/decode/ctx1024_c1
     servegrid aggregate | figures | report run the downstream stages on the cell files
     servegrid summary                      the verdict, invalid cells and report paths, as the run ends
+    servegrid compare OLD NEW [--out DIR]  two runs' shared cells: what moved beyond noise
 
 Every command takes ``--config FILE`` (default: config.yaml) and ``--log-level``, before or after its
 name (``servegrid validate --config my.yaml``); ``servegrid --version`` prints the version.
@@ -203,6 +204,19 @@ def cmd_summary(experiment: Experiment, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import compare
+
+    frame = compare.compare_runs(args.old, args.new, experiment.verdict.min_factor)
+    print(compare.text(frame, args.old, args.new))
+    if args.out:
+        for lang in args.lang or experiment.languages:
+            page = Path(args.out) / f"compare-{lang}.html"
+            compare.write_html(frame, args.old, args.new, lang, page)
+            print(page)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --config and --log-level go before the subcommand or after it ("servegrid validate --config my.yaml"):
     # each subcommand takes them too, with no default of its own, so that one given after it wins.
@@ -259,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep_p.set_defaults(func=cmd_report)
     add(sub, "summary", "the verdict, invalid cells and report paths as text").set_defaults(func=cmd_summary)
+    cmp_p = add(sub, "compare", "two runs' shared cells: how far each primary figure moved, beyond noise or not")
+    cmp_p.add_argument("old", help="the earlier run's results folder (or its tables/ folder)")
+    cmp_p.add_argument("new", help="the later run's results folder")
+    cmp_p.add_argument("--out", help="also write compare-LANG.html pages into this folder")
+    cmp_p.add_argument("--lang", action="append", help="page language (repeatable; default: report.languages)")
+    cmp_p.set_defaults(func=cmd_compare)
     return parser
 
 
@@ -270,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         logs.configure(args.log_level or experiment.operations.log_level)
         return int(args.func(experiment, args))
 
-    return guarded(command)
+    try:
+        return guarded(command)
+    except BrokenPipeError:  # `servegrid compare … | head`: the reader has gone, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -68,23 +68,29 @@ class CellSamples:
     run), and pairing the medians of two cells gives the same independent-resampling interval as resampling
     both per duel, at a fraction of the cost (docs/scale.md)."""
 
-    def __init__(self, requests: pd.DataFrame) -> None:
+    def __init__(self, requests: pd.DataFrame, salt: str = "") -> None:
+        # ``salt``: two runs' samples of the same cell (servegrid.compare) must not share their resamples.
         self.values = primary_values_by_cell(requests)
+        self.salt = salt
         self._medians: dict[tuple[str, str, int, int], np.ndarray | None] = {}
 
     def medians(self, key: tuple[str, str, int, int]) -> np.ndarray | None:
         if key not in self._medians:
             values = self.values.get(key, np.empty(0))
             values = values[~np.isnan(values)]
-            rng = np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
+            rng = np.random.default_rng(zlib.crc32((self.salt + "/".join(map(str, key))).encode()))
             self._medians[key] = None if values.size < 3 else stats.bootstrap_medians(values, rng)
         return self._medians[key]
 
     def ratio_ci(
-        self, numerator: tuple[str, str, int, int], denominator: tuple[str, str, int, int]
+        self,
+        numerator: tuple[str, str, int, int],
+        denominator: tuple[str, str, int, int],
+        denominator_samples: CellSamples | None = None,
     ) -> tuple[float | None, float | None]:
-        """95% bootstrap interval of median(numerator cell) / median(denominator cell); None below 3 values."""
-        top, bottom = self.medians(numerator), self.medians(denominator)
+        """95% bootstrap interval of median(numerator cell) / median(denominator cell), the denominator from
+        ``denominator_samples`` where given (another run); None below 3 values."""
+        top, bottom = self.medians(numerator), (denominator_samples or self).medians(denominator)
         return (None, None) if top is None or bottom is None else stats.ratio_interval(top, bottom)
 
 
