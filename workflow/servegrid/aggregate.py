@@ -27,6 +27,7 @@ import pyarrow as pa
 from servegrid import atomic, metrics, modes, records, sampling, slo, stats, verdict
 from servegrid.config import Experiment, Validity
 from servegrid.errors import CellFileError
+from servegrid.modes.base import Primary
 
 CELL_KEYS = ["configuration", "mode", "context", "concurrency"]
 PER_REQUEST = ("ttft_s", "tpot_s", "e2e_s", "decode_tps", "send_delay_s", "ttft_from_intended_s", "e2e_from_intended_s")
@@ -97,7 +98,7 @@ class CellRows:
     10 ms a cell, most of the aggregation of a 2,000-cell grid (docs/scale.md). DataFrames are made only for
     what takes one (the modes' hooks and the objectives), from the same rows."""
 
-    def __init__(self, columns: dict[str, np.ndarray], positions: np.ndarray, primary: Any) -> None:
+    def __init__(self, columns: dict[str, np.ndarray], positions: np.ndarray, primary: Primary) -> None:
         self.columns = columns
         self.positions = positions
         self._cache: dict[str, np.ndarray] = {}
