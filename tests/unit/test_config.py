@@ -208,10 +208,10 @@ def test_integers_are_integers_as_written(demo_raw, dotted, value):
 def test_a_cell_that_cannot_fit_the_context_limit_is_refused_before_any_server_starts(demo_raw, flag):
     args = [a for a in demo_raw["engine"]["args"] if a not in ("--max-model-len", "8192")]
     raw = with_changes(demo_raw, **{"engine.args": args, "configurations.ngram.args": flag})
-    # single_turn at 2048 tokens of shared prefix (+ suffix + output) cannot fit 2048: named with its key and
+    # multi_turn at a 2048-token base context (+ two turns + output) cannot fit 2048: named with its key and
     # configuration
     with pytest.raises(
-        ConfigError, match=r"workloads\.single_turn\.contexts: at context 2048 .* configuration 'ngram'"
+        ConfigError, match=r"workloads\.multi_turn\.contexts: at context 2048 .* configuration 'ngram'"
     ):
         Experiment(raw)
     raw["workloads"]["single_turn"]["contexts"] = [1024]
