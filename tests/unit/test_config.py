@@ -210,9 +210,7 @@ def test_a_cell_that_cannot_fit_the_context_limit_is_refused_before_any_server_s
     raw = with_changes(demo_raw, **{"engine.args": args, "configurations.ngram.args": flag})
     # multi_turn at a 2048-token base context (+ two turns + output) cannot fit 2048: named with its key and
     # configuration
-    with pytest.raises(
-        ConfigError, match=r"workloads\.multi_turn\.contexts: at context 2048 .* configuration 'ngram'"
-    ):
+    with pytest.raises(ConfigError, match=r"workloads\.multi_turn\.contexts: at context 2048 .* configuration 'ngram'"):
         Experiment(raw)
     raw["workloads"]["single_turn"]["contexts"] = [1024]
     raw["workloads"]["multi_turn"]["contexts"] = [1024]  # 1024 + 2 × 256 + 32 fits
