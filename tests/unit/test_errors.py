@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -70,6 +71,11 @@ def test_a_server_that_will_not_start_is_one_headline_with_its_log_tail(tmp_path
     write_yaml(tmp_path / "c.yaml", raw)
     result = cli("--config", "c.yaml", "cell", "run", "ngram/decode/ctx512_c1", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    headline, *rest = result.stderr.strip().splitlines()
+    lines = result.stderr.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("servegrid: error: "))
+    # Before it only the run's progress lines (the grid, the server starting), logged at INFO.
+    assert all(re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO servegrid\.", line) for line in lines[:at]), lines[:at]
+    headline, *rest = lines[at:]
     assert headline.startswith("servegrid: error: the server for configuration 'ngram' exited during start-up")
     assert "no such flag" in "\n".join(rest)  # the log's tail follows the headline
+    assert not any(line.startswith("servegrid: error: ") for line in rest)  # one headline

@@ -184,9 +184,7 @@ def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
             html_out=html,
             pdf_out=pdf,
         )
-        for written in (html, pdf):
-            if written:
-                print(written)
+        print("\n".join(written for written in (html, pdf) if written))
     return 0
 
 
