@@ -214,11 +214,12 @@ ENGINE_WORDS = ("vllm:", "VLLM_", "--enable-prefix-caching", "--speculative-conf
 
 
 def test_only_the_engines_speak_an_engines_language():
-    """No string in the package outside engines/ (and the test tools) names an engine's flag, route, variable or
-    metric: the client, the modes, the cell and the server lifecycle reach the server through the Engine protocol."""
+    """No string in the package outside engines/ (and the test tools, and gateway.py: LiteLLM's proxy speaks the
+    same OpenAI routes) names an engine's flag, route, variable or metric: the client, the modes, the cell and the
+    server lifecycle reach the server through the Engine protocol."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if {"engines", "testing"} & set(path.relative_to(PACKAGE).parts):
+        if {"engines", "testing"} & set(path.relative_to(PACKAGE).parts) or path.name == "gateway.py":
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         documented = [n for n in ast.walk(tree) if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef)]

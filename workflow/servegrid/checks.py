@@ -40,6 +40,7 @@ def check(experiment: Experiment) -> None:
                 "(add report/locales/<language>/LC_MESSAGES/messages.po)"
             )
         _languages_covered(experiment)
+        _gateway(experiment)
         baseline = experiment.report_baseline
         if baseline is not None and baseline not in experiment.configurations:
             raise ConfigError(
@@ -83,3 +84,32 @@ def _languages_covered(experiment: Experiment) -> None:
             raise ConfigError(
                 f"{key}: no text for {', '.join(missing)} (report.languages); give one per language or one string"
             )
+
+
+# Published with malicious code (a credential stealer, 2026-03-24; BerriAI/litellm#24512): never run.
+COMPROMISED_LITELLM = ("1.82.7", "1.82.8")
+RESERVED_PROXY_FLAGS = ("--config", "--host", "--port", "--api_base", "--model")
+
+
+def _gateway(experiment: Experiment) -> None:
+    """route needs proxy; a proxy servegrid starts runs a version that is not a compromised one, with no flag
+    servegrid sets itself; an existing gateway names a model for known configurations only."""
+    proxy = experiment.proxy
+    if experiment.route != "direct" and proxy is None:
+        raise ConfigError(f"route: '{experiment.route}' goes through a gateway, but there is no proxy: section")
+    if proxy is None:
+        return
+    if proxy.version in COMPROMISED_LITELLM:
+        raise ConfigError(
+            f"proxy.version: LiteLLM {proxy.version} was published with malicious code (1.82.7 and 1.82.8); "
+            "use the version envs/litellm.txt pins"
+        )
+    for arg in proxy.args:
+        flag = arg.split("=", 1)[0]
+        if flag in RESERVED_PROXY_FLAGS:
+            raise ConfigError(f"proxy.args: '{flag}' is set by servegrid (the proxy's config, host and port)")
+    unknown = sorted(set(proxy.models or {}) - set(experiment.configurations))
+    if unknown:
+        raise ConfigError(f"proxy.models: no configuration named {', '.join(unknown)}")
+    if proxy.models and proxy.url is None:
+        raise ConfigError("proxy.models: only read with proxy.url (servegrid names the models of a proxy it starts)")

@@ -16,6 +16,9 @@ stamps honest when many streams burst at once: the loop runs every socket's
 ``data_received`` before it resumes any consumer, so a stamp waits for the
 other sockets' reads (microseconds each), not for other streams' decoding
 (benchmarks/client_overhead.py measures both, side by side).
+
+It runs over 300 lines because its two decoders (a running token count in every chunk, and, through a
+gateway that drops it, tokens counted by chunk) share the stamped reads and the SSE framing kept here.
 """
 
 from __future__ import annotations
@@ -156,12 +159,15 @@ class Streamer:
     together do not hold the loop (and the other streams' stamps) while they decode.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, per_chunk_usage: bool = True) -> None:
+        """``per_chunk_usage=False``: the stream's events carry no running token count (a gateway that drops
+        vLLM's continuous usage stats, servegrid.gateway_check): tokens are counted by chunk."""
         if not isinstance(session.connector, StampingConnector):
             raise TypeError("Streamer needs a session from servegrid.client.streaming_session()")
         self.session = session
         self.reads = session.connector.reads
         self.base_url = base_url.rstrip("/")
+        self.per_chunk_usage = per_chunk_usage
         self.pacer = StartPacer()
         self._pending: list[tuple[bytes, list[tuple[int, int]], RequestRecord]] = []
         self.in_flight = 0  # requests sent and not yet ended (client_monitor.StallGuard reads these two)
@@ -190,7 +196,7 @@ class Streamer:
         if record.http_status != 200:
             record.error = f"HTTP {record.http_status}: {raw[:1000].decode('utf-8', 'replace')}"
         elif decode:
-            decode_into(raw, reads, record)
+            decode_into(raw, reads, record, self.per_chunk_usage)
         else:
             self._pending.append((raw, reads, record))
 
@@ -219,12 +225,15 @@ class Streamer:
         """Decode the streams that :meth:`stream` was told not to decode yet."""
         pending, self._pending = self._pending, []
         for raw, reads, record in pending:
-            decode_into(raw, reads, record)
+            decode_into(raw, reads, record, self.per_chunk_usage)
 
 
-def decode_into(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
+def decode_into(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord, per_chunk_usage: bool = True) -> None:
     try:
-        decode_stream(raw, reads, record)
+        if per_chunk_usage:
+            decode_stream(raw, reads, record)
+        else:
+            decode_counted_by_chunk(raw, reads, record)
     except (ValueError, TypeError, AttributeError) as exc:  # JSON errors are ValueErrors too
         # One request with a malformed event is one failed request, never a lost cell.
         record.error = f"malformed SSE event: {exc}"[:1000]
@@ -283,3 +292,49 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
         # Its tokens would be stamped with the next counted event's read: a first chunk without a count moves
         # the TTFT to the second one, silently. (A stream that never counts fails in decode_into, "without usage".)
         raise ValueError("an event with text has no usage.completion_tokens (null or absent): its tokens are untimed")
+
+
+def decode_counted_by_chunk(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
+    """Fill ``record`` from a stream whose events carry text but no running token count, only a final usage
+    (what LiteLLM's proxy makes of vLLM's stream). Every event with text is a chunk, stamped at the read that
+    completed it; the final usage gives the exact totals. Where the chunks are as many as the tokens, each
+    carried one and the per-chunk counts are exact; otherwise (speculative decoding sends several tokens in
+    one chunk) they are spread evenly and ``chunk_tokens_exact`` is False: TTFT, e2e and TPOT stay exact,
+    per-token inter-token latency is not computed from such a request (servegrid.aggregate)."""
+    received = [total for _, total in reads]
+    if raw and (not reads or received[-1] < len(raw)):
+        raise RuntimeError("body bytes beyond the stamped reads: servegrid's read stamping no longer works")
+    text_parts: list[str] = []
+    for end, data in sse_events(raw):
+        if data == b"[DONE]":
+            continue
+        event = orjson.loads(data)
+        if not isinstance(event, dict):
+            raise ValueError(f"an event is JSON but not an object: {data[:200]!r}")
+        if "error" in event:
+            record.error = f"stream error: {json.dumps(event['error'])[:500]}"
+            continue
+        usage = event.get("usage") or {}
+        if isinstance(usage.get("completion_tokens"), int):
+            record.output_tokens_reported = usage["completion_tokens"]
+            record.prompt_tokens_reported = usage.get("prompt_tokens")
+        for choice in event.get("choices") or ():
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if not isinstance(piece, str):
+                raise ValueError(f"a choice's text is {piece!r}, not a string")
+            if piece:
+                text_parts.append(piece)
+                record.chunk_ns.append(reads[bisect.bisect_left(received, end)][0])
+            if choice.get("finish_reason"):
+                record.finish_reason = str(choice["finish_reason"])
+    record.text = "".join(text_parts)
+    total, chunks = record.output_tokens_reported, len(record.chunk_ns)
+    if total is None or not chunks:
+        return
+    record.chunk_tokens_exact = chunks == total
+    if chunks >= total:
+        record.chunk_tokens = [1] * chunks
+        return
+    # The first chunk's first token is what TTFT times; the rest spread evenly, the remainder early.
+    rest, extra = divmod(total - 1, max(chunks - 1, 1))
+    record.chunk_tokens = [1] + [rest + (1 if i < extra else 0) for i in range(chunks - 1)] if chunks > 1 else [total]

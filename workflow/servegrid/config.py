@@ -11,6 +11,9 @@ both between runs to decide what reruns, so operational settings (ports,
 timeouts, GPU placement) deliberately appear in neither. What figures and
 reports show of the configuration is :meth:`Experiment.presentation`, a
 declared input of those rules alone.
+
+It runs over 300 lines so that every identity that decides a rerun (launch
+specs, cell settings, the gateway's) is computed in this one place.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from servegrid.sections import (
     ModelSection,
     Objective,
     Operations,
+    ProxySection,
     Validity,
     VerdictRules,
     Workload,
@@ -111,6 +115,9 @@ class Experiment:
         }
         self.operations: Operations = section(Operations, r["operations"])
         self.validity: Validity = section(Validity, r["validity"])
+        # How cells reach the servers, and the gateway in front of them when they go through one.
+        self.route: str = r["route"]
+        self.proxy: ProxySection | None = section(ProxySection, r["proxy"]) if r["proxy"] is not None else None
         self.verdict = VerdictRules.from_config(r["verdict"])
         self.languages: list[str] = list(r["report"]["languages"])
         self.report_formats: list[str] = list(r["report"]["formats"])
@@ -209,9 +216,27 @@ class Experiment:
         spec = self.launch_spec(name)
         return {**spec, "args": redact.argv(spec["args"]), "env": redact.env(spec["env"])}
 
+    def routes(self) -> list[str]:
+        """The routes every cell is measured by, the verdict's first: ``direct``, ``proxy`` or both."""
+        return {"direct": ["direct"], "proxy": ["proxy"], "both": ["direct", "proxy"]}[self.route]
+
+    def gateway_identity(self) -> dict[str, Any] | None:
+        """What the gateway is, as far as it shapes a proxied cell's numbers (placement and the key excluded):
+        part of every proxied cell's settings, so a new LiteLLM version or model_params reruns those cells."""
+        if self.route == "direct" or self.proxy is None:
+            return None
+        p = self.proxy
+        if p.url is not None:
+            return {"url": p.url, "models": dict(p.models or {})}
+        return {"kind": p.kind, "version": p.version, "command": list(p.command), "args": redact.argv(p.args),
+                "model_params": dict(p.model_params or {})}  # fmt: skip
+
     def cell_settings(self, cell: Cell) -> dict[str, Any]:
         """Everything that cell's numbers depend on besides the server itself."""
-        return {
+        # Direct-only cells keep the settings they had before routes existed: adding the gateway reruns nothing
+        # until a route uses it.
+        routes = {} if self.route == "direct" else {"route": self.route, "gateway": self.gateway_identity()}
+        return routes | {
             "measurement_version": MEASUREMENT_VERSION,
             "cell": cell.id,
             "mode": cell.mode,

@@ -10,6 +10,7 @@ else is a bug and keeps its traceback.
     ├── ConfigError        the configuration (or a command-line argument) is wrong
     │   └── UnknownModeError   a workload mode no module registered
     ├── ServerError        an inference server: start-up, health, identity, teardown
+    │   └── GatewayError       the gateway (LiteLLM proxy): start-up, or a field it drops or alters
     ├── CellError          a cell could not be measured; nothing was written
     │   └── CellStalled        its server stopped making progress: it is stopped, never reused
     ├── CellFileError      a cell file cannot be read back
@@ -45,6 +46,11 @@ class UnknownModeError(ConfigError, KeyError):
 
 class ServerError(ServegridError):
     """A server could not be brought up or used; the message says why and where its log is."""
+
+
+class GatewayError(ServerError):
+    """The gateway in front of the servers could not be started, or changes what a request asks for (a
+    field dropped or altered): the message names the field, so nothing else is measured silently."""
 
 
 class CellError(ServegridError):

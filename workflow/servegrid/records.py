@@ -48,6 +48,12 @@ CELL_SCHEMA = pa.schema(
         _field("http_status", pa.int32(), "HTTP status of the response"),
         _field("finish_reason", pa.string(), "the server's finish_reason"),
         _field("error", pa.string(), "null when the request succeeded"),
+        _field("route", pa.string(), "direct, or proxy: through the gateway (null in older files: direct)"),
+        _field(
+            "chunk_tokens_exact",
+            pa.bool_(),
+            "false: chunk_tokens spread evenly, the stream gave no per-chunk count (a gateway; null in older files)",
+        ),
     ]
 )
 
@@ -58,7 +64,8 @@ def rows(records: list[RequestRecord]) -> dict[str, list[Any]]:
 
     columns: dict[str, list[Any]] = {name: [] for name in CELL_SCHEMA.names}
     for r in records:
-        columns["request_id"].append(f"r{r.repeat}-{r.request_id}")
+        route = "" if r.route == "direct" else f"{r.route}-"  # direct ids as before routes existed
+        columns["request_id"].append(f"r{r.repeat}-{route}{r.request_id}")
         columns["repeat"].append(r.repeat)
         columns["session"].append(r.session)
         columns["seq"].append(r.seq)
@@ -76,6 +83,8 @@ def rows(records: list[RequestRecord]) -> dict[str, list[Any]]:
         columns["http_status"].append(r.http_status)
         columns["finish_reason"].append(r.finish_reason)
         columns["error"].append(r.error)
+        columns["route"].append(r.route)
+        columns["chunk_tokens_exact"].append(r.chunk_tokens_exact)
     return columns
 
 

@@ -35,6 +35,10 @@ class RequestRecord:
     text: str = ""
     messages: list[dict[str, str]] | None = None  # chat requests: what was sent
     repeat: int = 0  # which repeat of the cell's workload
+    route: str = "direct"  # "direct" or "proxy" (through the gateway)
+    # False where the stream gave no per-chunk token count and the chunks were fewer than the tokens
+    # (client.decode_counted_by_chunk): the per-chunk counts are spread evenly, not measured.
+    chunk_tokens_exact: bool = True
     t0_ns: int = 0  # start of that repeat's measured phase
 
     @property

@@ -93,6 +93,23 @@ class Operations:
 
 
 @dataclass(frozen=True)
+class ProxySection:
+    """The gateway in front of the servers (servegrid.gateway): a LiteLLM proxy servegrid starts, or an
+    existing one at ``url``."""
+
+    kind: str = "litellm"
+    version: str | None = None
+    command: tuple[str, ...] = (".venv-litellm/bin/litellm",)
+    args: tuple[str, ...] = ()
+    model_params: Mapping[str, Any] | None = None
+    master_key_env: str = "SERVEGRID_PROXY_KEY"
+    port: int = 4000
+    url: str | None = None
+    models: Mapping[str, str] | None = None
+    startup_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
 class Validity:
     """When a cell's numbers cannot be trusted (docs/parquet-schema.md)."""
 

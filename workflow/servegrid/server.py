@@ -28,10 +28,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -151,27 +151,28 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
             facts = state.read(state.facts_path(runtime, configuration))
             if record and state.supervised(record):
                 if record["spec_hash"] != wanted or not facts:
-                    _stop_record(record, runtime, reason="replaced by a server with another spec")
+                    stop_record(record, runtime, reason="replaced by a server with another spec")
                 elif _healthy(engine, record, spec) and _answers(engine, record, facts, spec, runtime):
                     return ServerFacts(**facts)
                 else:
                     # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
                     # handed to the next cell, whose every request would wait out its timeout.
-                    _stop_record(record, runtime, reason="not answering a tiny completion: replaced")
+                    stop_record(record, runtime, reason="not answering a tiny completion: replaced")
             elif record and state.anything_running(record):
                 # Its server exited and its supervisor is still winding down (holding the host claims and
                 # about to write its record), or its supervisor is gone and its server is not: finish either.
-                _stop_record(record, runtime, reason="half gone: server or supervisor no longer running")
+                stop_record(record, runtime, reason="half gone: server or supervisor no longer running")
             _raise_if_failed_before(runtime, configuration, wanted, owner)
             rivals = [
                 r
                 for other, r in state.records(runtime).items()
-                if other != configuration and state.live(r) and _conflicts(runtime.gpus, r["gpus"])
+                # The gateway holds no device: it stays up while the servers behind it change.
+                if other not in (configuration, state.GATEWAY) and state.live(r) and _conflicts(runtime.gpus, r["gpus"])
             ]
             with contextlib.ExitStack() as held:
                 if all(held.enter_context(state.try_lease(runtime, r["configuration"])) for r in rivals):
                     for rival in rivals:
-                        _stop_record(rival, runtime, reason=f"devices needed by {configuration}")
+                        stop_record(rival, runtime, reason=f"devices needed by {configuration}")
                     try:
                         return _start(spec, engine, wanted, runtime, owner)
                     except ServerError as exc:
@@ -207,29 +208,37 @@ def _refuse_if_owner_gone(owner: procs.ProcessRef | None) -> None:
         raise ServerError(f"the process that owns this run (pid {owner.pid}) is gone: no server is started for it")
 
 
-def _start(
-    spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, owner: procs.ProcessRef | None
-) -> ServerFacts:
-    configuration = spec["configuration"]
-    _refuse_if_owner_gone(owner)
-    hostinfo.check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
-    hostinfo.check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
-    session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    ports = range(runtime.port_range[0], runtime.port_range[1] + 1)
+def new_session() -> str:
+    """A launch's own name: its log's, and what marks its processes (procs.SESSION_ENV)."""
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def launch_supervised(
+    name: str,
+    wanted: str,
+    runtime: Runtime,
+    owner: procs.ProcessRef | None,
+    session: str,
+    ports: Sequence[int],
+    argv_and_env: Callable[[int], tuple[list[str], dict[str, str]]],
+) -> tuple[str, Path, Path, list[str], dict[str, str]]:
+    """Launch ``argv_and_env(port)`` under a :mod:`servegrid.supervisor` as ``name`` in the state folder, on the
+    first free port of ``ports``: the servers and the gateway alike. Returns its url, record and log paths,
+    argv and environment overrides; the caller waits for it (:func:`wait_healthy`)."""
     holder = f"servegrid session {session} of {os.path.abspath(runtime.cwd)}"
-    # Host-wide claims on the port and the GPUs, held by the supervisor for the server's lifetime, so
+    # Host-wide claims on the port and the GPUs, held by the supervisor for the process's lifetime, so
     # that no other servegrid pipeline on this machine takes either.
     with hostlocks.claims(runtime.gpus, ports, lambda port: _port_bindable(runtime, port), holder) as (port, fds):
-        log_dir = Path(paths.server_log_dir(configuration))
+        log_dir = Path(paths.server_log_dir(name))
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{session}.log"
-        argv, env = _argv_and_env(spec, runtime, port, session)
+        argv, env = argv_and_env(port)
         url_host = f"[{runtime.host}]" if ":" in runtime.host else runtime.host
         url = f"http://{url_host}:{port}"
-        record_path = state.record_path(runtime, configuration)
+        record_path = state.record_path(runtime, name)
         launch = {
             "session": session,
-            "configuration": configuration,
+            "configuration": name,
             "spec_hash": wanted,
             "argv": argv,
             "cwd": os.path.abspath(runtime.cwd),
@@ -242,23 +251,20 @@ def _start(
             "owner": owner.to_dict() if owner else None,
             "shutdown_timeout_s": runtime.shutdown_timeout_s,
         }
-        launch_path = state.launch_path(runtime, configuration)
+        launch_path = state.launch_path(runtime, name)
         # The environment (API key included) goes to the supervisor in its own environment, never on disk;
         # the launch file is owner-only all the same.
         with atomic.atomic_path(launch_path) as tmp:
             os.chmod(tmp, 0o600)  # before anything is written to it
             tmp.write_text(json.dumps(launch), encoding="utf-8")
         record_path.unlink(missing_ok=True)
-        state.facts_path(runtime, configuration).unlink(missing_ok=True)
-        state.failure_path(runtime, configuration).unlink(missing_ok=True)
-
-        started = time.monotonic()
-        started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        state.facts_path(runtime, name).unlink(missing_ok=True)
+        state.failure_path(runtime, name).unlink(missing_ok=True)
         with open(log_dir / f"{session}.supervisor.log", "ab") as sup_log:
             subprocess.Popen(
                 [sys.executable, "-m", "servegrid.supervisor", str(launch_path)],
-                # The server's environment, inherited by it from its supervisor, and the session that marks
-                # every process of it (procs.SESSION_ENV): what a later stop checks before it signals.
+                # The process's environment, inherited from its supervisor, and the session that marks every
+                # process of it (procs.SESSION_ENV): what a later stop checks before it signals.
                 env={**os.environ, **env, procs.SESSION_ENV: session},
                 stdin=subprocess.DEVNULL,
                 stdout=sup_log,
@@ -267,8 +273,28 @@ def _start(
                 close_fds=True,
                 pass_fds=fds,  # the claims: released by the kernel when the supervisor ends
             )
+    return url, record_path, log_path, argv, env
+
+
+def _start(
+    spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, owner: procs.ProcessRef | None
+) -> ServerFacts:
+    configuration = spec["configuration"]
+    _refuse_if_owner_gone(owner)
+    hostinfo.check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
+    hostinfo.check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
+    session = new_session()
+    ports = range(runtime.port_range[0], runtime.port_range[1] + 1)
+    started = time.monotonic()
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    url, record_path, log_path, argv, env = launch_supervised(
+        configuration, wanted, runtime, owner, session, ports, lambda port: _argv_and_env(spec, runtime, port, session)
+    )
     try:
-        _wait_healthy(engine, url, spec, record_path, log_path, runtime.startup_timeout_s, identity(session))
+        wait_healthy(
+            engine, f"the server for configuration '{configuration}'", url, auth_headers(spec), record_path,
+            log_path, (runtime.startup_timeout_s, "operations.startup_timeout_s"), identity(session),
+        )  # fmt: skip
         startup_s = time.monotonic() - started
         with httpx.Client(timeout=600.0, headers=auth_headers(spec)) as client:
             warm_started = time.monotonic()
@@ -278,7 +304,7 @@ def _start(
     except BaseException:
         record = state.read(record_path)
         if record:
-            _stop_record(record, runtime, reason="start-up failed")
+            stop_record(record, runtime, reason="start-up failed")
         raise
     capacity = engine.startup_facts(log_path.read_text(encoding="utf-8", errors="replace"))
     facts = ServerFacts(
@@ -314,45 +340,55 @@ def log_tail(log_path: Path | str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _wait_healthy(
-    engine: Engine,
+class HealthProbe(Protocol):
+    """What :func:`wait_healthy` asks of a process it waits for: an engine, or the gateway."""
+
+    health_path: str
+
+    def served_names(self, client: httpx.Client, url: str) -> list[str]: ...
+
+
+def wait_healthy(
+    probe: HealthProbe,
+    what: str,
     url: str,
-    spec: dict[str, Any],
+    headers: dict[str, str],
     record_path: Path,
     log_path: Path,
-    timeout_s: float,
+    limit: tuple[float, str],
     expected_name: str,
 ) -> None:
-    configuration = spec["configuration"]
+    """Wait until ``url`` answers its health check as ``expected_name``; fail fast, with the log's last lines,
+    when the process exits, its supervisor never starts, another process answers, or ``limit`` (seconds, and
+    the config key that sets them) runs out."""
+    timeout_s, timeout_key = limit
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
     tick = progress.Every()
-    with httpx.Client(timeout=2.0, headers=auth_headers(spec)) as client:
+    with httpx.Client(timeout=2.0, headers=headers) as client:
         while True:
             if tick.due():  # a GPU server can take many minutes: say it is on its way, and where
                 last = log_tail(log_path, 1).strip()[:200] or "(nothing logged yet)"
                 log.info(
-                    "server %s starting: %s of at most %s; its log says: %s",
-                    configuration, progress.duration(time.monotonic() - started), progress.duration(timeout_s), last,
+                    "%s starting: %s of at most %s; its log says: %s",
+                    what, progress.duration(time.monotonic() - started), progress.duration(timeout_s), last,
                 )  # fmt: skip
             record = state.read(record_path)
             if record and identity(record.get("session", "")) != expected_name:
                 record = None  # an earlier session's last words, not this launch's
             if record and record["status"] in ("exited", "stopped"):
                 raise ServerError(
-                    f"the server for configuration '{configuration}' exited during start-up "
+                    f"{what} exited during start-up "
                     f"(exit code {record['returncode']}, after {time.monotonic() - started:.1f} s).\n"
                     f"Log: {log_path}\n--- last lines ---\n{log_tail(log_path)}"
                 )
             if record is None and time.monotonic() - started > 30:
-                raise ServerError(
-                    f"the supervisor for configuration '{configuration}' did not start; "
-                    f"see {log_path.with_suffix('.supervisor.log')}"
-                )
+                supervisor_log = log_path.with_suffix(".supervisor.log")
+                raise ServerError(f"the supervisor of {what} did not start; see {supervisor_log}")
             if record and record["status"] == "running":
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{url}{engine.health_path}").status_code == 200:
-                        names = engine.served_names(client, url)
+                    if client.get(f"{url}{probe.health_path}").status_code == 200:
+                        names = probe.served_names(client, url)
                         if expected_name in names:
                             return
                         if not names:  # no answer about names yet (slow): ask again
@@ -361,14 +397,12 @@ def _wait_healthy(
                         # Healthy, but not ours: another process answers on this port (another pipeline's
                         # server, say). Measuring it would measure the wrong server, silently.
                         raise ServerError(
-                            f"{url} answers, but as {names or 'an unnamed server'}, not as the server for "
-                            f"configuration '{configuration}' that servegrid just launched ({expected_name}): "
-                            "another process holds that port; it was not used"
+                            f"{url} answers, but as {names or 'an unnamed server'}, not as {what} that servegrid "
+                            f"just launched ({expected_name}): another process holds that port; it was not used"
                         )
             if time.monotonic() > deadline:
                 raise ServerError(
-                    f"the server for configuration '{configuration}' did not become healthy within "
-                    f"{timeout_s:.0f} s (operations.startup_timeout_s); it was stopped.\n"
+                    f"{what} did not become healthy within {timeout_s:.0f} s ({timeout_key}); it was stopped.\n"
                     f"Log: {log_path}\n--- last lines ---\n{log_tail(log_path)}"
                 )
             time.sleep(0.5)
@@ -412,7 +446,7 @@ def _healthy(engine: Engine, record: dict[str, Any], spec: dict[str, Any]) -> bo
 # ---- teardown -----------------------------------------------------------------
 
 
-def _stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[str, Any]:
+def stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[str, Any]:
     """Stop one server (via its supervisor, else directly) and confirm its group is gone."""
     supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
     server = procs.ProcessRef.from_dict(record.get("server"))
@@ -461,7 +495,7 @@ def discard(configuration: str, runtime: Runtime, reason: str) -> list[dict[str,
         record = state.read(state.record_path(runtime, configuration))
         if not record:
             return []
-        outcome = _stop_record(record, runtime, reason)
+        outcome = stop_record(record, runtime, reason)
         state.facts_path(runtime, configuration).unlink(missing_ok=True)
         return [outcome]
 
@@ -475,7 +509,7 @@ def stop_all(runtime: Runtime, owner: procs.ProcessRef | None = None, reason: st
             if owner is not None and record.get("owner") != owner.to_dict():
                 continue
             try:
-                stopped.append(_stop_record(record, runtime, reason))
+                stopped.append(stop_record(record, runtime, reason))
             except ServerError as exc:
                 failures.append(str(exc))
             state.facts_path(runtime, configuration).unlink(missing_ok=True)

@@ -41,6 +41,10 @@ import psutil
 from servegrid import hostlocks, paths, placement, procs
 from servegrid.sections import Configuration, Operations
 
+# The gateway's name in the state folder, beside the configurations' (which cannot contain "-"): its supervisor,
+# record and teardown are the servers' own (servegrid.gateway).
+GATEWAY = "gateway-proxy"
+
 
 @dataclass
 class Runtime:

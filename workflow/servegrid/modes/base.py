@@ -160,6 +160,7 @@ class WorkloadContext:
     pause_timing: MeasureHook = _no_pause
     resume_timing: MeasureHook = _no_pause
     measuring_since_ns: int | None = None  # set when the measured phase begins
+    server_model: str = ""  # the server's name for control calls (tokenizer); ``model``: the gateway's, if any
 
     def new_record(
         self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
@@ -188,13 +189,13 @@ class WorkloadContext:
         await self.streamer.stream(self.engine.chat_path, payload, record)
 
     def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenize(self.sync_client, self.url, self.model, text)
+        return self.engine.tokenize(self.sync_client, self.url, self.server_model or self.model, text)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.engine.detokenize(self.sync_client, self.url, self.model, tokens)
+        return self.engine.detokenize(self.sync_client, self.url, self.server_model or self.model, tokens)
 
     def chat_prompt_tokens(self, messages: Sequence[Mapping[str, str]]) -> int:
-        return self.engine.chat_prompt_tokens(self.sync_client, self.url, self.model, messages)
+        return self.engine.chat_prompt_tokens(self.sync_client, self.url, self.server_model or self.model, messages)
 
     def elapsed_s(self) -> float:
         """Seconds since the measured phase began (0 before)."""
