@@ -13,6 +13,8 @@ rule aggregate:
         verdict=paths.VERDICT_TABLE,
         crossovers=paths.CROSSOVERS_TABLE,
         production=paths.PRODUCTION_TABLE,
+        gateway=paths.GATEWAY_TABLE,
+        gateway_verdict=paths.GATEWAY_VERDICT_TABLE,
     log:
         "results/logs/aggregate.log",
     conda:
@@ -23,5 +25,7 @@ rule aggregate:
         slo=canonical_json(EXPERIMENT.raw["slo"]),
         # Pairs, ties and the production winner follow the configurations' order.
         order=CONFIGURATIONS,
+        # Which route's phases the verdict comes from, and whether the gateway's cost is computed.
+        route=EXPERIMENT.route,
     script:
         "../scripts/aggregate.py"

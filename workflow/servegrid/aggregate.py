@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from servegrid import atomic, metrics, modes, records, sampling, slo, stats, verdict
+from servegrid import atomic, gateway_cost, metrics, modes, records, sampling, slo, stats, verdict
 from servegrid.cell_rows import HOOK_COLUMNS, CellRows
 from servegrid.config import Experiment, Validity
 from servegrid.errors import CellFileError
@@ -37,6 +37,7 @@ def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """Every cell file's rows and metadata. Files that cannot be read back (a checksum that fails, a
     truncated file) are all moved aside first, and the error lists them: the next run measures them again."""
     tables, metas, damaged = [], [], []
+    metas_by_route: list[dict[str, Any]] = []
     for path in paths:
         try:
             table, meta = records.read_cell(path)
@@ -45,13 +46,17 @@ def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
             continue
         tables.append(table.replace_schema_metadata(None))
         metas.append(meta)
+        # A cell measured by more than one route: its other routes' phases as cells of their own (their rows
+        # are told apart by the route column).
+        for route, measured in (meta.get("other_routes") or {}).items():
+            metas_by_route.append({**meta, **measured, "route": route, "other_routes": {}})
     if damaged:
         raise CellFileError(
             f"{len(damaged)} cell file(s) could not be read back and were moved aside; the next run measures "
             "those cells again:\n" + "\n".join(damaged)
         )
     if not tables:
-        return pd.DataFrame(columns=CELL_KEYS), metas
+        return pd.DataFrame(columns=CELL_KEYS), metas + metas_by_route
     # One Arrow table, one conversion: a DataFrame per cell and a concat cost most of the reading (docs/scale.md).
     # A file of an older schema lacks a newer column: it is filled with nulls.
     df = pa.concat_tables(tables, promote_options="default").to_pandas()
@@ -59,7 +64,9 @@ def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     keys = {key: np.repeat(np.array([m["cell"][key] for m in metas], dtype=object), counts) for key in CELL_KEYS}
     cell_keys = pd.DataFrame(keys).astype({"context": "int64", "concurrency": "int64", "configuration": "str",
                                            "mode": "str"})  # fmt: skip
-    return pd.concat([cell_keys, df], axis=1), metas
+    df = pd.concat([cell_keys, df], axis=1)
+    df["route"] = df["route"].fillna("direct") if "route" in df else "direct"  # files from before routes existed
+    return df, metas + metas_by_route
 
 
 def derive(df: pd.DataFrame) -> pd.DataFrame:
@@ -363,9 +370,17 @@ def aggregate(
     verdict_out: str | None = None,
     crossovers_out: str | None = None,
     production_out: str | None = None,
+    gateway_out: str | None = None,
+    gateway_verdict_out: str | None = None,
 ) -> pd.DataFrame:
-    df, metas = load_cells(cell_paths)
-    derived = derive(df) if metas else df  # cell files without a row still have every column
+    everything, all_metas = load_cells(cell_paths)
+    derived_all = derive(everything) if all_metas else everything  # cell files without a row still have every column
+    # The verdict's route (direct, unless every cell goes through the gateway); the other route, where cells were
+    # measured both ways, is only compared with it (servegrid.gateway_cost).
+    verdict_route = experiment.routes()[0]
+    routes = derived_all["route"] if "route" in derived_all else pd.Series("direct", index=derived_all.index)
+    derived = derived_all[routes == verdict_route]
+    metas = [m for m in all_metas if m.get("route", "direct") == verdict_route]
     summary = summarize(derived, metas, experiment)
     samples = verdict.CellSamples(derived)
     comparisons = verdict.compare(summary, samples, experiment.verdict.min_factor)
@@ -382,6 +397,13 @@ def aggregate(
         outputs.append((verdict.crossovers(verdict.duels(summary, samples, order), order, rules), crossovers_out))
     if production_out:
         outputs.append((slo.production(summary, order, list(experiment.slo), rules.min_factor), production_out))
+    if gateway_out:
+        added, changes = gateway_cost.tables(
+            experiment, derived, derived_all[routes == "proxy"], all_metas, comparisons, summarize
+        )
+        outputs.append((added, gateway_out))
+        if gateway_verdict_out:
+            outputs.append((changes, gateway_verdict_out))
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
             frame.to_parquet(tmp, index=False)

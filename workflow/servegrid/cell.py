@@ -81,9 +81,7 @@ def _routes(
     held.enter_context(gateway.lease(runtime))
     facts_gw = gateway.ensure(experiment, cell.configuration, runtime, owner)
     model, gw_headers = facts_gw.model(cell.configuration, proxy), gateway.headers(proxy)
-    findings = gateway_check.check(
-        engine, facts.url, headers, served, facts_gw.url, gw_headers, model, chat=True
-    )
+    findings = gateway_check.check(engine, facts.url, headers, served, facts_gw.url, gw_headers, model, chat=True)
     if not findings["per_chunk_usage"]:
         log.info("cell %s: the gateway drops the per-chunk token count; tokens are counted by chunk", cell.id)
     proxied = measurement.Route(

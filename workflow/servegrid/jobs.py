@@ -103,6 +103,8 @@ def aggregate(smk: Any) -> None:
             verdict_out=smk.output.verdict,
             crossovers_out=smk.output.crossovers,
             production_out=smk.output.production,
+            gateway_out=smk.output.gateway,
+            gateway_verdict_out=smk.output.gateway_verdict,
         )
 
     _run(smk, body)
