@@ -212,6 +212,8 @@ def report_inputs(wildcards):
         "verdict": paths.VERDICT_TABLE,
         "crossovers": paths.CROSSOVERS_TABLE,
         "production": paths.PRODUCTION_TABLE,
+        "gateway": paths.GATEWAY_TABLE,
+        "gateway_verdict": paths.GATEWAY_VERDICT_TABLE,
         "templates": REPORT_TEMPLATES,
         "catalogue": f"report/locales/{wildcards.lang}/LC_MESSAGES/messages.po",
     }

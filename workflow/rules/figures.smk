@@ -6,6 +6,7 @@ rule figures:
         summary=paths.SUMMARY_TABLE,
         comparisons=paths.COMPARISONS_TABLE,
         requests=paths.REQUESTS_TABLE,
+        gateway=paths.GATEWAY_TABLE,
         catalogue="report/locales/{lang}/LC_MESSAGES/messages.po",
     output:
         figure_paths(EXPERIMENT, paths.FIGURES_LANG_DIR),

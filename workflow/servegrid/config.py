@@ -267,6 +267,7 @@ class Experiment:
             "modes": self.modes(),
             # Which figures exist and which panels the goodput figure has.
             "slo": self.raw["slo"],
+            "route": self.route,  # the gateway's figure exists with route: both
         }
 
     def presentation(self) -> dict[str, Any]:
@@ -292,6 +293,9 @@ class Experiment:
             "sampling": {mode: rule_fields(self.sampling_rules[mode]) for mode in self.workloads},  # the rules shown
             "min_factor": self.verdict.min_factor,
             "client_cpus": list(self.operations.client_cpus),
+            # The section "through the gateway": its topology and the gateway's settings (no key).
+            "route": self.route,
+            "gateway": self.gateway_identity(),
         }
 
     def workload_view(self, mode: str) -> dict[str, Any]:

@@ -76,8 +76,23 @@ def shown_contexts(measured: Iterable[Any]) -> list[int]:
     return [contexts[round(i * last / (MAX_CONTEXT_PANELS - 1))] for i in range(MAX_CONTEXT_PANELS)]
 
 
+# Drawn when every cell is measured both straight and through the gateway (route: both).
+GATEWAY_FIGURE = FigureSpec(
+    "gateway_added_latency",
+    "gateway_added_latency",
+    N_("What the gateway adds"),
+    N_(
+        "Through the gateway minus straight to the server, for the same cell: the median TTFT, per-token "
+        "inter-token latency (each request's mean) and end-to-end latency, in milliseconds, per workload, context "
+        "and concurrency (the x axis: context / sessions), one line per configuration, with 95% bootstrap "
+        "intervals; above zero the gateway is slower."
+    ),
+)
+
+
 def run_figures(experiment: Experiment) -> tuple[FigureSpec, ...]:
-    return RUN_FIGURES + ((GOODPUT_FIGURE,) if experiment.slo else ())
+    gateway = (GATEWAY_FIGURE,) if experiment.route == "both" else ()
+    return RUN_FIGURES + ((GOODPUT_FIGURE,) if experiment.slo else ()) + gateway
 
 
 def figure_specs(experiment: Experiment) -> list[tuple[str | None, FigureSpec]]:

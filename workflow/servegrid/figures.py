@@ -42,7 +42,7 @@ Gettext = Callable[[str], str]
 # The kinds of figure a mode may declare (FigureSpec.kind): Painter methods taking (mode, **options);
 # and those of the whole run (servegrid.figure_list.RUN_FIGURES), taking nothing.
 MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context", "throughput_latency")
-RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency", "latency_cdfs")
+RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency", "latency_cdfs", "gateway_added_latency")
 # One marker per configuration besides its colour, in config order: lines stay apart in grey print.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
@@ -59,8 +59,10 @@ class Painter(RunFigures):
         locale: str,
         lang: str,
         requests: pd.DataFrame | None = None,
+        gateway: pd.DataFrame | None = None,
     ) -> None:
         self.experiment = experiment
+        self.gateway = gateway if gateway is not None else pd.DataFrame()
         self.summary = summary
         self.requests = requests if requests is not None else pd.DataFrame()
         self.comparisons = comparisons
@@ -268,6 +270,7 @@ def draw_all(
     out_dir: Path,
     lang: str,
     requests_path: str | None = None,
+    gateway_path: str | None = None,
 ) -> list[Path]:
     # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
@@ -279,6 +282,7 @@ def draw_all(
         str(locale),
         lang,
         pd.read_parquet(requests_path) if requests_path else None,
+        pd.read_parquet(gateway_path) if gateway_path else None,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -1,5 +1,5 @@
 """The figures of the whole run: each configuration against the baseline, the latency distributions at
-each mode's heaviest load, goodput within the objectives.
+each mode's heaviest load, goodput within the objectives, and what the gateway adds (route: both).
 
 :class:`RunFigures` is the part of :class:`servegrid.figures.Painter` that draws them; it uses the
 Painter's colours, markers, number formats and legend (declared below, set by the Painter).
@@ -33,6 +33,7 @@ class RunFigures:
     experiment: Experiment
     summary: pd.DataFrame
     requests: pd.DataFrame
+    gateway: pd.DataFrame
     labels: dict[str, str]
     colours: dict[str, object]
     markers: dict[str, str]
@@ -211,3 +212,47 @@ class RunFigures:
         ratio = mine / theirs if modes.get(mode).primary.higher_is_better else theirs / mine
         ratio = ratio.dropna(how="all").dropna(axis=1, how="all")
         return ratio.sort_index(ascending=False)
+
+    def gateway_added_latency(self) -> plt.Figure:
+        """What the gateway adds to the median TTFT, per-token ITL (TPOT) and e2e: one row of panels per figure,
+        one panel per mode, x = each cell group (context / sessions), one line per configuration with its
+        95% interval (servegrid.gateway_cost)."""
+        figures = (("ttft", self._("TTFT")), ("tpot", self._("per-token ITL")), ("e2e", self._("end-to-end")))
+        compared = [m for m in self.experiment.modes() if len(self.gateway) and (self.gateway["mode"] == m).any()]
+        sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
+        if not compared:
+            fig, (ax,) = self._panels(1, height=1.6)
+            ax.axis("off")
+            ax.text(0.5, 0.5, self._("No cell was measured both ways."), ha="center", va="center")
+            return fig
+        fig, grid = plt.subplots(len(figures), len(compared), figsize=(3.9 * len(compared) + 1.2, 2.8 * len(figures)
+                                 + 0.8), squeeze=False)  # fmt: skip
+        for column, mode in enumerate(compared):
+            cells = self.gateway[self.gateway["mode"] == mode]
+            groups = sorted({(int(c), int(s)) for c, s in zip(cells["context"], cells["concurrency"], strict=True)})
+            position = {group: i for i, group in enumerate(groups)}
+            for row, (name, title) in enumerate(figures):
+                ax = grid[row][column]
+                for configuration, label in self.labels.items():
+                    rows = cells[cells["configuration"] == configuration]
+                    if rows.empty:
+                        continue
+                    rows = rows.assign(x=[position[(int(c), int(s))] for c, s in zip(rows["context"],
+                                          rows["concurrency"], strict=True)]).sort_values("x")  # fmt: skip
+                    y = rows[f"{name}_added_p50_s"].to_numpy(dtype=float) * 1e3
+                    low = rows[f"{name}_added_p50_ci_low_s"].to_numpy(dtype=float) * 1e3
+                    high = rows[f"{name}_added_p50_ci_high_s"].to_numpy(dtype=float) * 1e3
+                    spread = [np.abs(y - low), np.abs(high - y)]
+                    ax.errorbar(rows["x"], y, yerr=spread, marker=self.markers[configuration], label=label,
+                                color=self.colours[configuration], linewidth=2, capsize=3)  # fmt: skip
+                ax.axhline(0, color="#444444", linewidth=0.8)
+                ax.set_xticks(range(len(groups)))
+                ax.set_xticklabels([f"{self.number(c, 0)} / {s}" for c, s in groups], rotation=30, fontsize=8)
+                ax.set_ylabel(self._("%(figure)s added (ms)") % {"figure": title})
+                self._axes_numbers(ax)
+                if row == 0:
+                    ax.set_title(self._(modes.get(mode).short_title), fontsize=10)
+                if row == len(figures) - 1:
+                    ax.set_xlabel(self._("context (tokens) / concurrent sessions"))
+        self._legend_and_layout(fig, 0.08 / len(figures) * 2)
+        return fig

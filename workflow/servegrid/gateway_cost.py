@@ -13,6 +13,7 @@ tokens − 1)): exact through a gateway that drops the per-chunk token count, wh
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,8 @@ def _added(direct: np.ndarray, proxied: np.ndarray, q: int, rng: np.random.Gener
 
 def added_latency(direct: pd.DataFrame, proxied: pd.DataFrame, checks: dict[tuple, dict[str, Any]]) -> pd.DataFrame:
     """One row per cell measured both ways: each figure's p50 and p99 direct and through the gateway, what the
-    gateway added (with its interval), and what the gateway check found for that cell (``checks``, by key)."""
+    gateway added (with its interval), the gateway it went through and what the gateway check found for that cell
+    (``checks``: each cell file's ``gateway`` record, by cell key)."""
     direct, proxied = _valid(direct), _valid(proxied)
     by_cell = dict(tuple(proxied.groupby(CELL_KEYS, sort=False))) if len(proxied) else {}
     rows = []
@@ -71,7 +73,13 @@ def added_latency(direct: pd.DataFrame, proxied: pd.DataFrame, checks: dict[tupl
                 row[f"{name}_added_p{q}_s"] = added["added"]
                 row[f"{name}_added_p{q}_ci_low_s"] = added["low"]
                 row[f"{name}_added_p{q}_ci_high_s"] = added["high"]
-        found = checks.get(key) or {}
+        gateway = checks.get(key) or {}
+        found, facts = gateway.get("check") or {}, gateway.get("facts") or {}
+        row["gateway_version"] = facts.get("version")
+        row["gateway_url"] = facts.get("url")
+        row["gateway_started_by_servegrid"] = facts.get("started_by_servegrid")
+        row["gateway_session"] = facts.get("session")
+        row["gateway_model_list"] = json.dumps(facts.get("model_list"), sort_keys=True)  # secrets masked
         row["per_chunk_usage"] = found.get("per_chunk_usage")
         row["chunks_direct"] = found.get("chunks_direct")
         row["chunks_proxy"] = found.get("chunks_proxy")
@@ -110,7 +118,7 @@ def tables(
     changes = verdict_changes(pd.DataFrame(), pd.DataFrame())
     if experiment.route != "both" or proxied.empty:
         return pd.DataFrame(), changes
-    checks = {tuple(m["cell"][k] for k in CELL_KEYS): (m.get("gateway") or {}).get("check") for m in metas}
+    checks = {tuple(m["cell"][k] for k in CELL_KEYS): m.get("gateway") for m in metas if m.get("route") != "proxy"}
     added = added_latency(direct, proxied, checks)
     proxy_metas = [m for m in metas if m.get("route") == "proxy"]
     proxy_summary = summarize(proxied, proxy_metas, experiment)

@@ -121,6 +121,7 @@ def figures(smk: Any) -> None:
             Path(smk.params.out_dir),
             smk.wildcards.lang,
             requests_path=smk.input.requests,
+            gateway_path=smk.input.gateway,
         )
 
     _run(smk, body)
@@ -138,6 +139,8 @@ def render_report(smk: Any) -> None:
             verdict_path=smk.input.verdict,
             crossovers_path=smk.input.crossovers,
             production_path=smk.input.production,
+            gateway_path=smk.input.gateway,
+            gateway_verdict_path=smk.input.gateway_verdict,
             servers_path=smk.input.servers,
             figures_dir=Path(smk.params.figures_dir),
             # report_html or report_pdf: one document per job.

@@ -23,7 +23,7 @@ import jinja2
 import matplotlib
 import pandas as pd
 
-from servegrid import atomic
+from servegrid import atomic, report_gateway
 from servegrid.catalogues import REPORT_ROOT, Formatter, load_catalog
 from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ReportError
@@ -145,6 +145,8 @@ def render(
     verdict_path: str | None = None,
     crossovers_path: str | None = None,
     production_path: str | None = None,
+    gateway_path: str | None = None,
+    gateway_verdict_path: str | None = None,
 ) -> None:
     """The report in ``lang``: the HTML page to ``html_out`` and/or the PDF to ``pdf_out`` (each its own job)."""
     HTML = _pdf_engine() if pdf_out else None  # first: a host without the PDF stack fails before any work
@@ -156,6 +158,11 @@ def render(
         verdict=read_table(verdict_path) if verdict_path else None,
         crossovers=read_table(crossovers_path) if crossovers_path else None,
         production=read_table(production_path) if production_path else None,
+    )
+    data.gateway = report_gateway.view(
+        experiment,
+        read_table(gateway_path) if gateway_path else None,
+        read_table(gateway_verdict_path) if gateway_verdict_path else None,
     )
     prov = provenance(experiment)
     if html_out:

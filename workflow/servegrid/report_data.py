@@ -21,8 +21,16 @@ from babel import Locale
 from servegrid import engines, modes, redact, stats
 from servegrid.catalogues import Formatter
 from servegrid.config import Experiment, canonical_json
-from servegrid.figure_list import GOODPUT_FIGURE, MAX_CONTEXT_PANELS, PANEL_KINDS, run_figures, shown_contexts
+from servegrid.figure_list import (
+    GATEWAY_FIGURE,
+    GOODPUT_FIGURE,
+    MAX_CONTEXT_PANELS,
+    PANEL_KINDS,
+    run_figures,
+    shown_contexts,
+)
 from servegrid.modes.base import FigureSpec, Mode
+from servegrid.report_gateway import GatewayView
 
 # Up to this many cells the PDF's details list every cell, as the HTML's always do. A larger grid's would run
 # to hundreds of pages (287 at 2,028 cells, most of the PDF's time: docs/scale.md) that nobody reads on paper:
@@ -55,6 +63,7 @@ class ReportData:
         self.verdict = verdict if verdict is not None else pd.DataFrame()
         self.crossovers = crossovers if crossovers is not None else pd.DataFrame()
         self.production = production if production is not None else pd.DataFrame()
+        self.gateway: GatewayView | None = None  # the section "through the gateway" (servegrid.report_gateway)
 
     @staticmethod
     def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
@@ -246,7 +255,8 @@ class ReportData:
 
     def grid_figures(self) -> tuple[FigureSpec, ...]:
         """The run's figures shown across the grid: every run figure but goodput (the production section's)."""
-        return tuple(spec for spec in run_figures(self.experiment) if spec is not GOODPUT_FIGURE)
+        shown_elsewhere = (GOODPUT_FIGURE, GATEWAY_FIGURE)  # the production section's, the gateway section's
+        return tuple(spec for spec in run_figures(self.experiment) if spec not in shown_elsewhere)
 
     def panels_shown(self, mode: str, spec: FigureSpec) -> dict[str, str] | None:
         """For a figure of one panel per context that shows only some of them (figure_list.shown_contexts):
