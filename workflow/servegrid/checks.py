@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from servegrid import engines
+from servegrid import engines, redact
 from servegrid.errors import ConfigError
 
 if TYPE_CHECKING:  # the Experiment calls these checks on itself
@@ -108,6 +108,12 @@ def _gateway(experiment: Experiment) -> None:
         flag = arg.split("=", 1)[0]
         if flag in RESERVED_PROXY_FLAGS:
             raise ConfigError(f"proxy.args: '{flag}' is set by servegrid (the proxy's config, host and port)")
+    for name, value in (proxy.model_params or {}).items():
+        if redact.is_secret_name(name) and not (isinstance(value, str) and value.startswith("os.environ/")):
+            raise ConfigError(
+                f"proxy.model_params.{name}: a secret goes in as \"os.environ/VARIABLE\" (LiteLLM reads the variable), "
+                "never as its value: the proxy's config is a file"
+            )
     unknown = sorted(set(proxy.models or {}) - set(experiment.configurations))
     if unknown:
         raise ConfigError(f"proxy.models: no configuration named {', '.join(unknown)}")

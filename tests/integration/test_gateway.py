@@ -1,0 +1,150 @@
+"""A real LiteLLM proxy (.venv-litellm, the pinned version) in front of the real vLLM CPU server.
+
+Shares the session's vLLM server (conftest.vllm_server). Each LiteLLM start costs about 9 s here, so the
+tests go in this order and reuse one proxy where they can: cells both ways, reuse, then the proxy settings
+that must fail (a dropped field, a bad flag) and the owner's kill -9.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from helpers import REPO, free_port_range, with_changes
+from servegrid import aggregate, engines, gateway, gateway_check, procs, records, server, state
+from servegrid.cell import run_cell
+from servegrid.config import Experiment
+from servegrid.errors import GatewayError
+
+pytestmark = pytest.mark.vllm
+
+LITELLM = REPO / ".venv-litellm" / "bin" / "litellm"
+KEY_ENV = "SERVEGRID_TEST_PROXY_KEY"
+PINNED = next(
+    line.split("==")[1].strip()
+    for line in (REPO / "envs" / "litellm.txt").read_text().splitlines()
+    if line.startswith("litellm")
+)
+
+
+@pytest.fixture(scope="module")
+def proxied(vllm_server):  # type: ignore[no-untyped-def]
+    """(experiment through the gateway, facts, runtime); the gateway is stopped at the end."""
+    if not LITELLM.exists():
+        pytest.fail(f"{LITELLM} is missing: run `make setup` (or `make test`, which sets up first)")
+    experiment, facts, runtime = vllm_server
+    os.environ[KEY_ENV] = "sk-test-" + os.urandom(8).hex()
+    raw = with_changes(
+        experiment.raw,
+        route="both",
+        proxy={"version": PINNED, "command": [str(LITELLM)], "master_key_env": KEY_ENV,
+               "port": free_port_range()[0]},
+    )  # fmt: skip
+    yield Experiment(raw, source="integration-gateway"), facts, runtime
+    record = state.read(state.record_path(runtime, state.GATEWAY))
+    if record:
+        server.stop_record(record, runtime, reason="gateway tests done")
+
+
+def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
+    experiment, facts, runtime = proxied
+    owner = procs.ProcessRef.of(os.getpid())
+    paths = []
+    for mode in ("decode", "multi_turn"):
+        (cell,) = [c for c in experiment.cells() if c.mode == mode]
+        out = tmp_path / f"{mode}.parquet"
+        meta = run_cell(experiment, cell, out, owner=owner, runtime=runtime)
+        paths.append(str(out))
+        assert meta["server"]["session"] == facts.session  # the shared vLLM server, reused
+        found = meta["gateway"]["check"]
+        # LiteLLM 1.106 keeps only the final usage; the check says so instead of failing every request.
+        assert found["per_chunk_usage"] is False
+        assert found["same_text"] is True
+        assert meta["gateway"]["facts"]["version"] == PINNED
+        frame = aggregate.derive(records.read_cell(out)[0].to_pandas())
+        rows = frame[frame["phase"] == "measured"]
+        assert set(rows["route"]) == {"direct", "proxy"}
+        through = rows[rows["route"] == "proxy"]
+        # Exact prompts and outputs through the gateway: the server's own usage, passed on.
+        assert through["valid"].all(), through[["error", "prompt_tokens_reported", "output_tokens_reported"]]
+        assert (through["output_tokens_reported"] == through["output_tokens_requested"]).all()
+        assert (through["prompt_tokens_reported"] == through["prompt_tokens_requested"]).all()
+        assert frame["request_id"].is_unique
+    # The shared server speculates (ngram): some chunks carry several tokens, which only the direct stream counts.
+    decode = aggregate.derive(records.read_cell(paths[0])[0].to_pandas())
+    assert decode.loc[decode["route"] == "direct", "chunk_tokens_exact"].all()
+    out = {name: str(tmp_path / f"{name}.parquet") for name in ("req", "sum", "srv", "cmp", "gw", "gwv")}
+    summary = aggregate.aggregate(experiment, paths, out["req"], out["sum"], out["srv"], out["cmp"],
+                                  gateway_out=out["gw"], gateway_verdict_out=out["gwv"])  # fmt: skip
+    assert len(summary) == 2 and (pd.read_parquet(out["req"])["route"] == "direct").all()
+    added = pd.read_parquet(out["gw"])
+    assert len(added) == 2 and added["gateway_version"].eq(PINNED).all()
+    assert added["ttft_added_p50_s"].notna().all() and added["e2e_added_p50_s"].notna().all()
+    assert KEY_ENV not in added["gateway_model_list"].iloc[0] or "***" in added["gateway_model_list"].iloc[0]
+
+
+def test_the_gateway_is_reused_while_its_servers_stay(proxied):
+    experiment, _, runtime = proxied
+    owner = procs.ProcessRef.of(os.getpid())
+    with gateway.lease(runtime):
+        first = gateway.ensure(experiment, "both", runtime, owner)
+        again = gateway.ensure(experiment, "both", runtime, owner)
+    assert first.session == again.session and first.started_by_servegrid
+    config = (state.directory(runtime) / f"{state.GATEWAY}.{first.session}.yaml").read_text()
+    assert os.environ[KEY_ENV] not in config and f"os.environ/{KEY_ENV}" in config  # the key stays off disk
+    assert "openai/tiny-qwen3" in config
+
+
+def test_a_dropped_field_is_named_at_the_first_request(proxied):
+    experiment, facts, runtime = proxied
+    # LiteLLM's own setting that drops a field: without stream_options the usage it reports is its own count.
+    dropping = Experiment(
+        with_changes(experiment.raw, **{"proxy.model_params": {"additional_drop_params": ["stream_options"]}}),
+        source="drop",
+    )
+    owner = procs.ProcessRef.of(os.getpid())
+    with gateway.lease(runtime):
+        facts_gw = gateway.ensure(dropping, "both", runtime, owner)  # another model_list: started again
+        with pytest.raises(GatewayError, match="stream_options"):
+            gateway_check.check(
+                engines.get("vllm"), facts.url, {}, "tiny-qwen3",
+                facts_gw.url, gateway.headers(dropping.proxy), "both", chat=False,
+            )  # fmt: skip
+
+
+def test_a_proxy_that_cannot_start_fails_fast_with_its_log(proxied):
+    experiment, _, runtime = proxied
+    broken = Experiment(with_changes(experiment.raw, **{"proxy.args": ["--no-such-flag"]}), source="broken")
+    started = time.monotonic()
+    with gateway.lease(runtime), pytest.raises(GatewayError, match="exited during start-up") as failure:
+        gateway.ensure(broken, "both", runtime, procs.ProcessRef.of(os.getpid()))
+    assert time.monotonic() - started < 60
+    assert "no-such-flag" in str(failure.value)  # the log's tail says what was wrong
+
+
+def test_the_gateway_goes_when_its_owner_is_killed(proxied):
+    experiment, _, runtime = proxied
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # plays Snakemake
+    try:
+        with gateway.lease(runtime):
+            record = state.read(state.record_path(runtime, state.GATEWAY))
+            if record and state.anything_running(record):
+                server.stop_record(record, runtime, reason="a fresh one for this owner")
+            gateway.ensure(experiment, "both", runtime, procs.ProcessRef.of(stand_in.pid))
+        record = state.read(state.record_path(runtime, state.GATEWAY))
+        assert record and state.server_processes(record)
+        os.kill(stand_in.pid, signal.SIGKILL)
+        stand_in.wait()
+        deadline = time.monotonic() + 60
+        while state.server_processes(record) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not state.server_processes(record), "the gateway outlived its owner"
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
