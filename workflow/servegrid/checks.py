@@ -111,7 +111,7 @@ def _gateway(experiment: Experiment) -> None:
     for name, value in (proxy.model_params or {}).items():
         if redact.is_secret_name(name) and not (isinstance(value, str) and value.startswith("os.environ/")):
             raise ConfigError(
-                f"proxy.model_params.{name}: a secret goes in as \"os.environ/VARIABLE\" (LiteLLM reads the variable), "
+                f'proxy.model_params.{name}: a secret goes in as "os.environ/VARIABLE" (LiteLLM reads the variable), '
                 "never as its value: the proxy's config is a file"
             )
     unknown = sorted(set(proxy.models or {}) - set(experiment.configurations))
