@@ -178,7 +178,7 @@ def synthetic_cell(
 def copy_workflow(dest: Path) -> Path:
     """The repository's files (tracked and untracked-but-not-ignored) copied to ``dest``.
 
-    The vLLM environment is linked, not copied: configs name it by relative path.
+    The vLLM and LiteLLM environments are linked, not copied: configs name them by relative path.
     """
     import shutil
     import subprocess
@@ -194,6 +194,7 @@ def copy_workflow(dest: Path) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
     (dest / ".venv-vllm").symlink_to(REPO / ".venv-vllm")
+    (dest / ".venv-litellm").symlink_to(REPO / ".venv-litellm")
     return dest
 
 

@@ -69,6 +69,16 @@ FAULTS: dict[str, Fault] = {
         "the supervisor sees its owner gone and stops the server; the orphaned cell job stops at once; no cell file",
         "`snakemake --unlock` (Snakemake's lock outlives `kill -9`), then measures the cell again",
     ),
+    "gateway-run": Fault(
+        "a grid measured both ways through a LiteLLM proxy (route: both)",
+        "not a fault: the proxy starts once, serves every cell and is stopped at the end; its key is nowhere on disk",
+        "nothing left to do",
+    ),
+    "snakemake-sigkill-gateway": Fault(
+        "`kill -9` of Snakemake while a cell measures through the LiteLLM proxy",
+        "the supervisors see their owner gone and stop the proxy and the server; no cell file",
+        "`snakemake --unlock`, then measures the cell again",
+    ),
     "snakemake-sigkill-next-cell": Fault(
         "`kill -9` of Snakemake as the next cell job starts",
         "the server is stopped; the starting cell job starts no server for an owner that is gone",
