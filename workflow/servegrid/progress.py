@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from servegrid.records import METADATA_KEY
@@ -67,7 +68,8 @@ def _wall_s(path: Path) -> float | None:
 def grid_line(experiment: Experiment, cell: Cell) -> str:
     """How far the grid is: its cells with a file, and an ETA from the most recently written ones."""
     cells = experiment.cells()
-    present = [Path(c.path) for c in cells if Path(c.path).exists()]
+    # A file measured with other settings is to be measured again (a rerun after a config edit): not counted.
+    present = [Path(c.path) for c in cells if _up_to_date(c.path, experiment.cell_settings(c))]
     left = len(cells) - len(present)
     line = f"grid: {len(present)} of {len(cells)} cells measured, starting {cell.id}"
     recent = sorted(present, key=lambda p: p.stat().st_mtime)[-RECENT_CELLS:]
@@ -94,3 +96,12 @@ async def stage_ticker(ctx: WorkloadContext, stage: int, planned: int, first: in
             "cell %s: stage %d: %d of %d requests done, %s measured; stage ETA %s",
             ctx.plan.label, stage, done, planned, duration(elapsed), shown,
         )  # fmt: skip
+
+
+def _up_to_date(path: str, settings: dict[str, object]) -> bool:
+    """The cell file exists and was measured with ``settings`` (its footer's metadata only is read)."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+        return bool(json.loads(metadata[METADATA_KEY]).get("settings") == settings)
+    except (OSError, KeyError, ValueError, pa.ArrowException):
+        return False
