@@ -68,6 +68,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
 	$(VENV)/bin/snakemake --lint --configfile config.yaml -n
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo -n
+	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo-proxy -n
 
 test: setup system-deps lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -43,3 +43,23 @@ def test_the_conda_spec_holds_every_package_the_jobs_import_at_pyprojects_versio
         assert provided[conda_name] == spec, (
             f"{name}: pyproject.toml asks {spec!r}, envs/pipeline.yaml {provided[conda_name]!r}"
         )
+
+
+def test_the_gateway_is_pinned_exactly_with_hashes_and_never_to_a_compromised_release():
+    """envs/litellm.txt pins one exact version; the lock has that version and a hash for every package; the
+    demo's proxy.version names it; 1.82.7 and 1.82.8 (malicious uploads) appear nowhere."""
+    from servegrid.checks import COMPROMISED_LITELLM
+
+    spec = [line for line in (REPO / "envs" / "litellm.txt").read_text().splitlines() if line and line[0] != "#"]
+    assert len(spec) == 1 and re.fullmatch(r"litellm\[proxy\]==\d+\.\d+\.\d+", spec[0]), spec
+    version = spec[0].split("==")[1]
+    assert version not in COMPROMISED_LITELLM
+    lock = (REPO / "envs" / "litellm.lock.txt").read_text()
+    entries = re.split(r"\n(?=[A-Za-z0-9])", lock.split("\n", 4)[-1])
+    pinned = [e for e in entries if "==" in e.split("\n")[0]]
+    assert pinned and all("--hash=sha256:" in e for e in pinned), "a package without its hash"
+    assert all(" \\" in e.split("\n")[0] and "==" in e.split("\n")[0] for e in pinned)  # exact pins only
+    assert f"litellm[proxy]=={version} " in lock
+    assert not re.search(r"^litellm(\[proxy\])?==1\.82\.[78]\b", lock, re.M)
+    demo = yaml.safe_load((REPO / "config" / "proxy-demo.yaml").read_text())
+    assert demo["proxy"]["version"] == version
