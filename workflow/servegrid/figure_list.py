@@ -84,7 +84,7 @@ GATEWAY_FIGURE = FigureSpec(
     N_(
         "Through the gateway minus straight to the server, for the same cell: the median TTFT, per-token "
         "inter-token latency (each request's mean) and end-to-end latency, in milliseconds, per workload, context "
-        "and concurrency (the x axis: context / sessions), one line per configuration, with 95% bootstrap "
+        "and concurrency (the x axis: context / sessions), one line per configuration, with 95-percent bootstrap "
         "intervals; above zero the gateway is slower."
     ),
 )

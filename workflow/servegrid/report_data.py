@@ -258,6 +258,10 @@ class ReportData:
         shown_elsewhere = (GOODPUT_FIGURE, GATEWAY_FIGURE)  # the production section's, the gateway section's
         return tuple(spec for spec in run_figures(self.experiment) if spec not in shown_elsewhere)
 
+    def gateway_figure(self) -> FigureSpec:
+        """The figure of the section "through the gateway" (report/templates/gateway.html.j2)."""
+        return GATEWAY_FIGURE
+
     def panels_shown(self, mode: str, spec: FigureSpec) -> dict[str, str] | None:
         """For a figure of one panel per context that shows only some of them (figure_list.shown_contexts):
         which ones, and of how many (formatted), said after its caption; None when it shows every one."""

@@ -55,7 +55,9 @@ def view(experiment: Experiment, added: pd.DataFrame | None, changes: pd.DataFra
         return None
     records = added.to_dict("records") if added is not None and len(added) else []
     first = records[0] if records else {}
-    model_list = json.loads(first["gateway_model_list"]) if first.get("gateway_model_list") else None
+    # Each proxy start served the configurations whose servers were up then: the union, by model name.
+    entries = {e["model_name"]: e for r in records for e in json.loads(r.get("gateway_model_list") or "null") or []}
+    model_list = [entries[name] for name in experiment.configurations if name in entries] or None
     out = GatewayView(
         route=experiment.route,
         started_by_servegrid=proxy.url is None,
