@@ -274,16 +274,9 @@ def draw_all(
 ) -> list[Path]:
     # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
-    painter = Painter(
-        experiment,
-        pd.read_parquet(summary_path),
-        pd.read_parquet(comparisons_path),
-        translations.gettext,
-        str(locale),
-        lang,
-        pd.read_parquet(requests_path) if requests_path else None,
-        pd.read_parquet(gateway_path) if gateway_path else None,
-    )
+    optional = [pd.read_parquet(path) if path else None for path in (requests_path, gateway_path)]
+    tables = [pd.read_parquet(summary_path), pd.read_parquet(comparisons_path)]
+    painter = Painter(experiment, *tables, translations.gettext, str(locale), lang, *optional)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for mode, spec in figure_specs(experiment):

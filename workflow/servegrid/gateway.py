@@ -232,7 +232,7 @@ def _start(
     try:
         server.wait_healthy(
             LiteLLMProbe({"Authorization": f"Bearer {key}"}), "the gateway (LiteLLM proxy)", url, {}, record_path,
-            log_path, (proxy.startup_timeout_s, "proxy.startup_timeout_s"), identity,
+            log_path, (proxy.startup_timeout_s, "proxy.startup_timeout_s"), identity, "gateway",
         )  # fmt: skip
     except BaseException as exc:
         record = state.read(record_path)

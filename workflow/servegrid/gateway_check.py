@@ -113,10 +113,13 @@ def _judge(kind: str, payload: dict[str, Any], direct: dict[str, Any], proxied: 
                 "gateway's own count ('stream_options' dropped)"
             )
         if usage.get("completion_tokens") != PROBE_TOKENS:
+            # The fields the engine's payload uses to ask for an exact count (servegrid.engines), by name.
+            exact = [k for k in payload if k not in ("model", "prompt", "messages", "stream", "stream_options",
+                                                     "temperature")]  # fmt: skip
             problems.append(
                 f"usage.completion_tokens {usage.get('completion_tokens')} where exactly {PROBE_TOKENS} were asked "
-                "for: 'min_tokens', 'ignore_eos' or 'max_tokens' was dropped or changed, or the usage is the "
-                "gateway's own count ('stream_options' dropped)"
+                f"for: one of {exact} was dropped or changed, or the usage is the gateway's own count "
+                "('stream_options' dropped)"
             )
     if problems:
         raise GatewayError(

@@ -222,7 +222,8 @@ async def _measure_phase(
             raise
         raise CellStalled(
             f"the server made no progress for {guard.stalled_s:.0f} s with requests in flight "
-            f"(limit {guard.limit_s:.0f} s, {guard.basis}; route {route.name}): stopped, not reused"
+            f"(limit {guard.limit_s:.0f} s, {guard.basis}){' through the gateway' if route.name == 'proxy' else ''}: "
+            "stopped, not reused"
         ) from None
     finally:
         await guard.stop()

@@ -70,6 +70,7 @@ def text(experiment: Experiment) -> str:
         winner = "" if stats.missing(row.get("winner")) else str(row["winner"]).replace(",", " + ")
         rows.append([_class_title(row["class_id"]), OUTCOME.get(row["outcome"], row["outcome"]), winner, _factor(row)])
     lines += table(rows) if len(rows) > 1 else ["  no workload class has data"]
+    lines += _gateway_lines(experiment)
     if len(invalid):
         lines += ["", "Invalid cells (measured, not compared):"]
         lines += [f"  {r['cell_id']}: {r['invalid_reasons']}" for r in invalid.to_dict("records")]
@@ -81,3 +82,27 @@ def text(experiment: Experiment) -> str:
     ]
     lines += ["", "Reports:", *(f"  {p}" for p in reports)] if reports else ["", "No report built yet."]
     return "\n".join(lines)
+
+
+def _gateway_lines(experiment: Experiment) -> list[str]:
+    """With route: both, what the gateway added (the median over cells of each cell's added p50, and the range)
+    and the workload classes whose verdict it changes (servegrid.gateway_cost)."""
+    added_path, changes_path = Path(paths.GATEWAY_TABLE), Path(paths.GATEWAY_VERDICT_TABLE)
+    if experiment.route != "both" or not added_path.exists():
+        return []
+    added = pd.read_parquet(added_path)
+    if added.empty:
+        return []
+    lines = ["", f"Through the gateway ({len(added)} cells both ways; added p50, median over cells [min, max]):"]
+    for figure, name in (("ttft", "TTFT"), ("tpot", "per-token ITL (TPOT)"), ("e2e", "e2e")):
+        values = added[f"{figure}_added_p50_s"].astype(float).dropna() * 1e3
+        if len(values):
+            lines.append(f"  {name}: {values.median():+.1f} ms [{values.min():+.1f}, {values.max():+.1f}]")
+    changes = pd.read_parquet(changes_path) if changes_path.exists() else pd.DataFrame()
+    changed = changes[changes["changed"].astype(bool)] if len(changes) else changes
+    lines.append(
+        "  verdict unchanged through it"
+        if changed.empty
+        else "  verdict changed through it: " + ", ".join(_class_title(c) for c in changed["class_id"])
+    )
+    return lines

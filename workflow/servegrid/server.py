@@ -294,6 +294,7 @@ def _start(
         wait_healthy(
             engine, f"the server for configuration '{configuration}'", url, auth_headers(spec), record_path,
             log_path, (runtime.startup_timeout_s, "operations.startup_timeout_s"), identity(session),
+            f"server {configuration}",
         )  # fmt: skip
         startup_s = time.monotonic() - started
         with httpx.Client(timeout=600.0, headers=auth_headers(spec)) as client:
@@ -357,10 +358,11 @@ def wait_healthy(
     log_path: Path,
     limit: tuple[float, str],
     expected_name: str,
+    short_name: str,
 ) -> None:
     """Wait until ``url`` answers its health check as ``expected_name``; fail fast, with the log's last lines,
     when the process exits, its supervisor never starts, another process answers, or ``limit`` (seconds, and
-    the config key that sets them) runs out."""
+    the config key that sets them) runs out. ``what`` names it in errors, ``short_name`` in progress lines."""
     timeout_s, timeout_key = limit
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
@@ -371,7 +373,7 @@ def wait_healthy(
                 last = log_tail(log_path, 1).strip()[:200] or "(nothing logged yet)"
                 log.info(
                     "%s starting: %s of at most %s; its log says: %s",
-                    what, progress.duration(time.monotonic() - started), progress.duration(timeout_s), last,
+                    short_name, progress.duration(time.monotonic() - started), progress.duration(timeout_s), last,
                 )  # fmt: skip
             record = state.read(record_path)
             if record and identity(record.get("session", "")) != expected_name:
