@@ -43,6 +43,8 @@ def proxied(vllm_server):  # type: ignore[no-untyped-def]
     raw = with_changes(
         experiment.raw,
         route="both",
+        # 8 requests a side for decode: enough for a median (servegrid.sampling); multi-turn has 6 conversations.
+        **{"workloads.decode.requests_per_session": 4},
         proxy={"version": PINNED, "command": [str(LITELLM)], "master_key_env": KEY_ENV,
                "port": free_port_range()[0]},
     )  # fmt: skip
