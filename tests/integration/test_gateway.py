@@ -103,6 +103,26 @@ def test_the_gateway_is_reused_while_its_servers_stay(proxied):
     assert "openai/tiny-qwen3" in config
 
 
+def test_an_existing_gateway_is_used_as_it_is(proxied, tmp_path):
+    """proxy.url: servegrid starts no proxy and measures through that one (here: the proxy the tests started,
+    standing in for a gateway someone else runs), route: proxy (the seed's way)."""
+    experiment, _, runtime = proxied
+    owner = procs.ProcessRef.of(os.getpid())
+    with gateway.lease(runtime):
+        running = gateway.ensure(experiment, "both", runtime, owner)
+    existing = Experiment(
+        with_changes(experiment.raw, route="proxy", proxy={"url": running.url, "models": {"both": "both"},
+                                                           "master_key_env": KEY_ENV}),
+        source="existing",
+    )  # fmt: skip
+    (cell,) = [c for c in existing.cells() if c.mode == "decode"]
+    meta = run_cell(existing, cell, tmp_path / "decode.parquet", owner=owner, runtime=runtime)
+    assert meta["gateway"]["facts"]["started_by_servegrid"] is False and meta["route"] == "proxy"
+    rows = records.read_cell(tmp_path / "decode.parquet")[0].to_pandas()
+    assert set(rows["route"]) == {"proxy"}
+    assert state.read(state.record_path(runtime, state.GATEWAY))["session"] == running.session  # none started
+
+
 def test_a_dropped_field_is_named_at_the_first_request(proxied):
     experiment, facts, runtime = proxied
     # LiteLLM's own setting that drops a field: without stream_options the usage it reports is its own count.
