@@ -170,3 +170,21 @@ def test_a_changed_verdict_is_flagged():
     through = pd.DataFrame({"class_id": ["decode", "single"], "outcome": ["win", "tie"], "winner": ["a", None]})
     changes = gateway_cost.verdict_changes(direct, through).set_index("class_id")
     assert not changes.loc["decode", "changed"] and changes.loc["single", "changed"]
+
+
+def test_the_run_summary_says_what_the_gateway_added(demo_raw, tmp_path, monkeypatch):
+    from servegrid import paths, run_summary
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results" / "tables").mkdir(parents=True)
+    rows = [
+        {"concurrency": c, "ttft_added_p50_s": t, "tpot_added_p50_s": 0.0005, "e2e_added_p50_s": t + 0.01}
+        for c, t in ((1, 0.050), (1, 0.070), (4, 0.250))
+    ]
+    pd.DataFrame(rows).to_parquet(paths.GATEWAY_TABLE)
+    changes = pd.DataFrame([{"class_id": "decode", "changed": True}, {"class_id": "single_turn", "changed": False}])
+    changes.to_parquet(paths.GATEWAY_VERDICT_TABLE)
+    lines = run_summary._gateway_lines(proxied(demo_raw))
+    assert "  TTFT: 1 x: +60.0 ms [+50.0, +70.0]; 4 x: +250.0 ms [+250.0, +250.0]" in lines
+    assert lines[-1] == "  verdict changed through it: Decode, cold prompts"
+    assert run_summary._gateway_lines(Experiment(demo_raw)) == []  # a direct run says nothing of it

@@ -85,19 +85,24 @@ def text(experiment: Experiment) -> str:
 
 
 def _gateway_lines(experiment: Experiment) -> list[str]:
-    """With route: both, what the gateway added (the median over cells of each cell's added p50, and the range)
-    and the workload classes whose verdict it changes (servegrid.gateway_cost)."""
+    """With route: both, what the gateway added (per concurrency, the median over its cells of each cell's added
+    p50, and the range) and the workload classes whose verdict it changes (servegrid.gateway_cost)."""
     added_path, changes_path = Path(paths.GATEWAY_TABLE), Path(paths.GATEWAY_VERDICT_TABLE)
     if experiment.route != "both" or not added_path.exists():
         return []
     added = pd.read_parquet(added_path)
     if added.empty:
         return []
-    lines = ["", f"Through the gateway ({len(added)} cells both ways; added p50, median over cells [min, max]):"]
+    lines = ["", f"Through the gateway ({len(added)} cells both ways): added p50 by concurrency, median over its cells "
+             "[min, max]"]  # fmt: skip
     for figure, name in (("ttft", "TTFT"), ("tpot", "per-token ITL (TPOT)"), ("e2e", "e2e")):
-        values = added[f"{figure}_added_p50_s"].astype(float).dropna() * 1e3
-        if len(values):
-            lines.append(f"  {name}: {values.median():+.1f} ms [{values.min():+.1f}, {values.max():+.1f}]")
+        parts = []
+        for sessions, cells in added.groupby("concurrency"):
+            values = cells[f"{figure}_added_p50_s"].astype(float).dropna() * 1e3
+            if len(values):
+                parts.append(f"{int(sessions)} x: {values.median():+.1f} ms [{values.min():+.1f}, {values.max():+.1f}]")
+        if parts:
+            lines.append(f"  {name}: " + "; ".join(parts))
     changes = pd.read_parquet(changes_path) if changes_path.exists() else pd.DataFrame()
     changed = changes[changes["changed"].astype(bool)] if len(changes) else changes
     lines.append(
