@@ -31,7 +31,7 @@ from servegrid import (
 )
 from servegrid.config import Cell, Experiment
 from servegrid.engines import Engine
-from servegrid.errors import CellError, CellStalled
+from servegrid.errors import CellError, CellStalled, GatewayError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def _routes(
     runtime: server.Runtime,
     owner: procs.ProcessRef | None,
     held: contextlib.ExitStack,
+    host_cpus: list[int],
 ) -> tuple[list[measurement.Route], dict[str, Any] | None]:
     """The cell's routes (experiment.routes()), and what its gateway is and changes; with a gateway, its lease
     is entered on ``held`` (kept until the cell is measured)."""
@@ -79,7 +80,11 @@ def _routes(
     proxy = experiment.proxy
     assert proxy is not None  # checks._gateway
     held.enter_context(gateway.lease(runtime))
-    facts_gw = gateway.ensure(experiment, cell.configuration, runtime, owner)
+    # Not the client's cores, which a process started from here would inherit (proxy.cpus, else the host's).
+    if set(proxy.cpus) - set(host_cpus):
+        raise GatewayError(f"proxy.cpus: CPU(s) {sorted(set(proxy.cpus) - set(host_cpus))} are not available here "
+                           f"(this job may use {host_cpus})")  # fmt: skip
+    facts_gw = gateway.ensure(experiment, cell.configuration, runtime, owner, list(proxy.cpus) or host_cpus)
     model, gw_headers = facts_gw.model(cell.configuration, proxy), gateway.headers(proxy)
     findings = gateway_check.check(engine, facts.url, headers, served, facts_gw.url, gw_headers, model, chat=True)
     if not findings["per_chunk_usage"]:
@@ -140,6 +145,7 @@ def _run_cell(
                 f"cell {cell.id}: workloads.{cell.mode}.contexts: at context {cell.context} a request holds about "
                 f"{need} tokens, more than the {facts.max_model_len} the running server accepts"
             )
+        host_cpus = sorted(os.sched_getaffinity(0))  # before the client narrows them: the gateway's default
         if client_cpus:
             # After the server is up (it must not inherit them): off the server's cores, so that the
             # engine's busy threads do not delay the client's timestamps.
@@ -155,7 +161,7 @@ def _run_cell(
             headers = server.auth_headers(spec)
             with contextlib.ExitStack() as through_gateway:
                 routes, gateway_meta = _routes(
-                    experiment, cell, engine, facts, headers, runtime, owner, through_gateway
+                    experiment, cell, engine, facts, headers, runtime, owner, through_gateway, host_cpus
                 )
                 request_records, measured = measurement.run_loop(
                     measurement.measure(

@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -153,11 +154,16 @@ def upstreams(runtime: server.Runtime, configurations: list[str]) -> dict[str, s
 
 
 def ensure(
-    experiment: Experiment, configuration: str, runtime: server.Runtime, owner: procs.ProcessRef | None
+    experiment: Experiment,
+    configuration: str,
+    runtime: server.Runtime,
+    owner: procs.ProcessRef | None,
+    cpus: Sequence[int] = (),
 ) -> GatewayFacts:
     """A gateway that reaches ``configuration``'s server (whose server must be up): the existing one at
     proxy.url, or servegrid's own proxy, reused when its model_list still matches the servers that are up,
-    else started (again). The caller holds the gateway's lease (:func:`lease`)."""
+    else started (again), confined to ``cpus`` (empty: wherever the caller may run). The caller holds the
+    gateway's lease (:func:`lease`)."""
     proxy = experiment.proxy
     if proxy is None:
         raise GatewayError("route goes through a gateway, but there is no proxy: section")
@@ -178,7 +184,7 @@ def ensure(
         if record and state.anything_running(record):
             reason = "its servers changed" if record.get("spec_hash") != wanted else "replaced"
             server.stop_record(record, runtime, reason=f"gateway {reason}")
-        return _start(experiment, proxy, live, wanted, runtime, owner)
+        return _start(experiment, proxy, live, wanted, runtime, owner, list(cpus))
 
 
 def lease(runtime: server.Runtime) -> Any:
@@ -203,6 +209,7 @@ def _start(
     wanted: str,
     runtime: server.Runtime,
     owner: procs.ProcessRef | None,
+    cpus: list[int],
 ) -> GatewayFacts:
     key = master_key(proxy)  # before anything starts: a missing key fails at once
     version = installed_version(proxy)
@@ -216,8 +223,8 @@ def _start(
     config = proxy_config(experiment, live, identity)
     config_path = state.directory(runtime) / f"{state.GATEWAY}.{session}.yaml"
     atomic.write_text(config_path, yaml.safe_dump(config, sort_keys=False))
-    # No GPU, no pinned core: the proxy is placed like the client, by the operating system.
-    gateway_runtime = server.Runtime(**{**asdict(runtime), "gpus": [], "cpus": []})
+    # No GPU; its cores set by its supervisor (a cell job has narrowed its own to the client's by now).
+    gateway_runtime = server.Runtime(**{**asdict(runtime), "gpus": [], "cpus": cpus})
     started = time.monotonic()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
 

@@ -107,6 +107,7 @@ class ProxySection:
     url: str | None = None
     models: Mapping[str, str] | None = None
     startup_timeout_s: float = 120.0
+    cpus: tuple[int, ...] = ()  # placement only
 
 
 @dataclass(frozen=True)
