@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
-from servegrid import atomic, procs, redact, server, state
+from servegrid import atomic, launch, procs, redact, server, state
 from servegrid.config import Experiment, spec_hash
 from servegrid.errors import GatewayError, ServerError
 from servegrid.sections import ProxySection
@@ -63,7 +63,7 @@ class GatewayFacts:
 
 
 class LiteLLMProbe:
-    """How :func:`servegrid.server.wait_healthy` knows the proxy is up, and that it is the one just launched."""
+    """How :func:`servegrid.launch.wait_healthy` knows the proxy is up, and that it is the one just launched."""
 
     health_path = "/health/liveliness"  # no key needed, no upstream called
 
@@ -94,7 +94,7 @@ def headers(proxy: ProxySection) -> dict[str, str]:
 
 def model_list(experiment: Experiment, upstreams: dict[str, str], identity: str | None = None) -> list[dict]:
     """LiteLLM's model_list: one model per configuration in ``upstreams`` (name → server url), plus, where given,
-    ``identity``: the launch's own name, as the servers have one (server.identity), checked before use."""
+    ``identity``: the launch's own name, as the servers have one (launch.identity), checked before use."""
     proxy = experiment.proxy
     assert proxy is not None
     key_env = experiment.engine.api_key_env
@@ -199,7 +199,7 @@ def _healthy(record: dict[str, Any], proxy: ProxySection) -> bool:
             names = LiteLLMProbe(headers(proxy)).served_names(client, record["url"])
     except httpx.HTTPError:
         return False
-    return server.identity(record["session"]) in names
+    return launch.identity(record["session"]) in names
 
 
 def _start(
@@ -218,8 +218,8 @@ def _start(
             f"proxy.version is {proxy.version}, but {proxy.command[0]} runs LiteLLM {version}: run `make setup` "
             "(envs/litellm.txt pins the version) or change proxy.version"
         )
-    session = server.new_session()
-    identity = server.identity(session)
+    session = launch.new_session()
+    identity = launch.identity(session)
     config = proxy_config(experiment, live, identity)
     config_path = state.directory(runtime) / f"{state.GATEWAY}.{session}.yaml"
     atomic.write_text(config_path, yaml.safe_dump(config, sort_keys=False))
@@ -233,11 +233,11 @@ def _start(
         return argv, dict(PROXY_ENV)
 
     ports = range(proxy.port, min(proxy.port + 100, 65536))
-    url, record_path, log_path, argv, _ = server.launch_supervised(
+    url, record_path, log_path, argv, _ = launch.launch_supervised(
         state.GATEWAY, wanted, gateway_runtime, owner, session, ports, argv_and_env
     )
     try:
-        server.wait_healthy(
+        launch.wait_healthy(
             LiteLLMProbe({"Authorization": f"Bearer {key}"}), "the gateway (LiteLLM proxy)", url, {}, record_path,
             log_path, (proxy.startup_timeout_s, "proxy.startup_timeout_s"), identity, "gateway",
         )  # fmt: skip
