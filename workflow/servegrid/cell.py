@@ -21,6 +21,7 @@ from servegrid import (
     gateway,
     gateway_check,
     hostinfo,
+    launch,
     measurement,
     placement,
     procs,
@@ -176,12 +177,12 @@ def _run_cell(
             server.discard(cell.configuration, runtime, reason=f"cell {cell.id} stalled")
             raise CellStalled(
                 f"cell {cell.id}: {exc}\n"
-                f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
+                f"Server log: {facts.log_path}\n--- last lines ---\n{launch.log_tail(facts.log_path)}"
             ) from None
         except httpx.HTTPError as exc:
             raise CellError(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
-                f"Server log: {facts.log_path}\n--- last lines ---\n{server.log_tail(facts.log_path)}"
+                f"Server log: {facts.log_path}\n--- last lines ---\n{launch.log_tail(facts.log_path)}"
             ) from exc
         finally:
             if watching_supervisor is not None:
