@@ -241,17 +241,20 @@ def decode_into(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord,
         record.error = "stream ended without usage (the server must report usage in every chunk)"
 
 
-def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
-    """Fill ``record`` from a whole SSE body and the stamped reads it arrived in."""
+def _received(raw: bytes, reads: list[tuple[int, int]]) -> list[int]:
+    """Body bytes received by each stamped read; checks that the stamps cover the whole body."""
     received = [total for _, total in reads]
     if raw and (not reads or received[-1] < len(raw)):
         raise RuntimeError(
             f"{len(raw)} body bytes but reads stamped up to {received[-1] if reads else 0}: "
             f"aiohttp {aiohttp.__version__} no longer calls StampingResponseHandler as servegrid expects"
         )
-    tokens_so_far = 0
-    text_parts: list[str] = []
-    uncounted_text = False  # text arrived in an event that gave no token count
+    return received
+
+
+def stream_events(raw: bytes, record: RequestRecord | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each JSON event of an SSE body with the offset just past it; an ``error`` event is put on ``record``
+    (where given) and skipped, ``[DONE]`` skipped, anything that is not a JSON object raises ValueError."""
     for end, data in sse_events(raw):
         if data == b"[DONE]":
             continue
@@ -259,14 +262,31 @@ def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecor
         if not isinstance(event, dict):
             raise ValueError(f"an event is JSON but not an object: {data[:200]!r}")
         if "error" in event:
-            record.error = f"stream error: {json.dumps(event['error'])[:500]}"
+            if record is not None:
+                record.error = f"stream error: {json.dumps(event['error'])[:500]}"
             continue
+        yield end, event
+
+
+def choice_text(choice: dict[str, Any]) -> str:
+    """The text a choice carries: a completion's ``text`` or a chat chunk's ``delta.content``."""
+    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    if not isinstance(piece, str):
+        raise ValueError(f"a choice's text is {piece!r}, not a string")
+    return piece
+
+
+def decode_stream(raw: bytes, reads: list[tuple[int, int]], record: RequestRecord) -> None:
+    """Fill ``record`` from a whole SSE body and the stamped reads it arrived in."""
+    received = _received(raw, reads)
+    tokens_so_far = 0
+    text_parts: list[str] = []
+    uncounted_text = False  # text arrived in an event that gave no token count
+    for end, event in stream_events(raw, record):
         usage = event.get("usage") or {}
         completion = usage.get("completion_tokens")
         for choice in event.get("choices") or ():
-            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if not isinstance(piece, str):
-                raise ValueError(f"a choice's text is {piece!r}, not a string")
+            piece = choice_text(choice)
             text_parts.append(piece)
             uncounted_text |= bool(piece) and completion is None
             if choice.get("finish_reason"):
@@ -301,27 +321,15 @@ def decode_counted_by_chunk(raw: bytes, reads: list[tuple[int, int]], record: Re
     carried one and the per-chunk counts are exact; otherwise (speculative decoding sends several tokens in
     one chunk) they are spread evenly and ``chunk_tokens_exact`` is False: TTFT, e2e and TPOT stay exact,
     per-token inter-token latency is not computed from such a request (servegrid.aggregate)."""
-    received = [total for _, total in reads]
-    if raw and (not reads or received[-1] < len(raw)):
-        raise RuntimeError("body bytes beyond the stamped reads: servegrid's read stamping no longer works")
+    received = _received(raw, reads)
     text_parts: list[str] = []
-    for end, data in sse_events(raw):
-        if data == b"[DONE]":
-            continue
-        event = orjson.loads(data)
-        if not isinstance(event, dict):
-            raise ValueError(f"an event is JSON but not an object: {data[:200]!r}")
-        if "error" in event:
-            record.error = f"stream error: {json.dumps(event['error'])[:500]}"
-            continue
+    for end, event in stream_events(raw, record):
         usage = event.get("usage") or {}
         if isinstance(usage.get("completion_tokens"), int):
             record.output_tokens_reported = usage["completion_tokens"]
             record.prompt_tokens_reported = usage.get("prompt_tokens")
         for choice in event.get("choices") or ():
-            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if not isinstance(piece, str):
-                raise ValueError(f"a choice's text is {piece!r}, not a string")
+            piece = choice_text(choice)
             if piece:
                 text_parts.append(piece)
                 record.chunk_ns.append(reads[bisect.bisect_left(received, end)][0])

@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import orjson
 
-from servegrid.client import sse_events
+from servegrid.client import choice_text, stream_events
 from servegrid.engines import Engine
 from servegrid.errors import GatewayError
+from servegrid.request_record import RequestRecord
 
 PROBE_TOKENS = 16
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. " * 4
@@ -37,21 +37,17 @@ def _stream(client: httpx.Client, url: str, headers: dict[str, str], payload: di
     if response.status_code != 200:
         return seen
     text, chunks, counted, usage = [], 0, 0, None
-    for _, data in sse_events(response.content):
-        if data == b"[DONE]":
-            continue
-        event = orjson.loads(data)
-        if "error" in event:
-            seen["status"], seen["body"] = "stream error", str(event["error"])[:500]
-            return seen
+    failed = RequestRecord("gateway-check", 0, 0, "probe", 1, 0, 0)  # where a stream error event lands
+    for _, event in stream_events(response.content, failed):
         event_usage = event.get("usage")
         for choice in event.get("choices") or ():
-            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if piece:
+            if piece := choice_text(choice):
                 text.append(piece)
                 chunks += 1
                 counted += bool(event_usage)
         usage = event_usage or usage
+    if failed.error:
+        return seen | {"status": "stream error", "body": failed.error}
     return seen | {"text": "".join(text), "chunks": chunks, "counted_chunks": counted, "usage": usage or {}}
 
 
