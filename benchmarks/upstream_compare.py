@@ -55,7 +55,7 @@ import httpx
 import numpy as np
 import yaml
 
-from servegrid import aggregate, engines, metrics, model, procs, server, stats
+from servegrid import engines, metrics, model, per_request, procs, server, stats
 from servegrid.client import Streamer, streaming_session
 from servegrid.client_monitor import CollectorPause
 from servegrid.config import Experiment
@@ -160,11 +160,11 @@ async def servegrid_client(url: str, served: str, prompts: list[str], concurrenc
 
 
 def servegrid_run(url: str, served: str, prompts: list[str], concurrency: int) -> dict[str, list[float]]:
-    frame = aggregate.derive(
+    frame = per_request.derive(
         benchmark_stats.records_frame(run_loop(servegrid_client(url, served, prompts, concurrency)))
     )
     frame = frame[frame["error"].isna()]
-    itl = [aggregate.per_token_itl(t, k) for t, k in zip(frame["chunk_times_s"], frame["chunk_tokens"], strict=True)]
+    itl = [per_request.per_token_itl(t, k) for t, k in zip(frame["chunk_times_s"], frame["chunk_tokens"], strict=True)]
     gaps = [np.diff(np.asarray(t, dtype=float)) for t in frame["chunk_times_s"]]
     return {
         "ttft": frame["ttft_s"].tolist(),

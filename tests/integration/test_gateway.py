@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 from helpers import REPO, free_port_range, with_changes
-from servegrid import aggregate, engines, gateway, gateway_check, procs, records, server, state
+from servegrid import aggregate, engines, gateway, gateway_check, per_request, procs, records, server, state
 from servegrid.cell import run_cell
 from servegrid.config import Experiment
 from servegrid.errors import GatewayError
@@ -69,7 +69,7 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
         assert found["per_chunk_usage"] is False
         assert found["same_text"] is True
         assert meta["gateway"]["facts"]["version"] == PINNED
-        frame = aggregate.derive(records.read_cell(out)[0].to_pandas())
+        frame = per_request.derive(records.read_cell(out)[0].to_pandas())
         rows = frame[frame["phase"] == "measured"]
         assert set(rows["route"]) == {"direct", "proxy"}
         through = rows[rows["route"] == "proxy"]
@@ -79,7 +79,7 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
         assert (through["prompt_tokens_reported"] == through["prompt_tokens_requested"]).all()
         assert frame["request_id"].is_unique
     # The shared server speculates (ngram): some chunks carry several tokens, which only the direct stream counts.
-    decode = aggregate.derive(records.read_cell(paths[0])[0].to_pandas())
+    decode = per_request.derive(records.read_cell(paths[0])[0].to_pandas())
     assert decode.loc[decode["route"] == "direct", "chunk_tokens_exact"].all()
     out = {name: str(tmp_path / f"{name}.parquet") for name in ("req", "sum", "srv", "cmp", "gw", "gwv")}
     summary = aggregate.aggregate(experiment, paths, out["req"], out["sum"], out["srv"], out["cmp"],

@@ -7,7 +7,7 @@ import os
 import pandas as pd
 import pytest
 
-from servegrid import aggregate, engines, procs, records
+from servegrid import engines, per_request, procs, records
 from servegrid.cell import run_cell
 
 pytestmark = pytest.mark.vllm
@@ -20,7 +20,7 @@ def measure(vllm_server, mode, tmp_path):  # type: ignore[no-untyped-def]
     meta = run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()), runtime=runtime)
     assert meta["server"]["session"] == facts.session  # the shared server was reused
     table, stored = records.read_cell(out)
-    frame = aggregate.derive(table.to_pandas())
+    frame = per_request.derive(table.to_pandas())
     return frame, stored
 
 

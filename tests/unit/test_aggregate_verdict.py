@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from helpers import synthetic_cell, with_changes
-from servegrid import aggregate, verdict
+from servegrid import aggregate, per_request, verdict
 from servegrid.config import Experiment
 
 
@@ -73,14 +73,14 @@ def test_per_request_formulas():
             "error": [None],
         }
     )
-    row = aggregate.derive(frame).iloc[0]
+    row = per_request.derive(frame).iloc[0]
     assert row["ttft_s"] == pytest.approx(0.1)
     assert row["e2e_s"] == pytest.approx(1.1)
     assert row["tpot_s"] == pytest.approx(1.0 / 9)
     assert row["decode_tps"] == pytest.approx(9 / 1.0)
     assert row["send_delay_s"] == pytest.approx(0.01)
     assert bool(row["valid"])
-    itl = aggregate.per_token_itl(np.array([0.1, 0.4, 0.7, 1.0]), np.array([1, 3, 3, 3]))
+    itl = per_request.per_token_itl(np.array([0.1, 0.4, 0.7, 1.0]), np.array([1, 3, 3, 3]))
     assert itl.tolist() == pytest.approx([0.1] * 9)
 
 

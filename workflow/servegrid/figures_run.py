@@ -20,9 +20,9 @@ from matplotlib.ticker import FuncFormatter
 from seaborn.utils import relative_luminance
 
 from servegrid import modes
-from servegrid.aggregate import per_token_itl
 from servegrid.config import Experiment
 from servegrid.figure_list import shown_contexts
+from servegrid.per_request import per_token_itl
 
 DASHES = ("-", "--", "-.", ":")  # for lines without markers (distributions)
 

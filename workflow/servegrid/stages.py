@@ -8,7 +8,7 @@ Without a rule (a fixed count) it runs one stage of ``requests_per_session`` rou
 judged only to say how precise it came out.
 
 What a sample is comes from the mode's :class:`~servegrid.modes.base.Primary` and the per-request formulas
-of :func:`servegrid.aggregate.derive`, so the cell counts exactly what the summary will report.
+of :func:`servegrid.per_request.derive`, so the cell counts exactly what the summary will report.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from servegrid import aggregate, progress, records, sampling
+from servegrid import per_request, progress, records, sampling
 from servegrid.modes.base import Primary
 from servegrid.request_record import RequestRecord
 from servegrid.sampling import Decision, SamplingRule
@@ -36,7 +36,7 @@ def primary_values(request_records: list[RequestRecord], primary: Primary) -> np
     """The primary figure of every valid measured request so far (of the primary turn only, where it has one)."""
     if not request_records:
         return np.empty(0)
-    frame = aggregate.derive(pd.DataFrame(records.rows(request_records)))
+    frame = per_request.derive(pd.DataFrame(records.rows(request_records)))
     values = primary.rows(frame)[primary.column].to_numpy(dtype=float)
     return values[~np.isnan(values)]
 
