@@ -176,17 +176,18 @@ def test_progress_durations_read_as_people_write_them():
 def test_the_grid_line_counts_the_cells_and_estimates_from_the_last_ones_written(tmp_path, monkeypatch, demo_raw):
     from test_aggregate_verdict import decode_only
 
-    from servegrid import progress, records
+    from servegrid import records
+    from servegrid.cell import grid_line
 
     monkeypatch.chdir(tmp_path)
     experiment = decode_only(demo_raw)
     first, second = experiment.cells()
-    assert progress.grid_line(experiment, first) == f"grid: 0 of 2 cells measured, starting {first.id}"
+    assert grid_line(experiment, first) == f"grid: 0 of 2 cells measured, starting {first.id}"
     timed = {"started_at": "2026-12-03T10:00:00.000+00:00", "ended_at": "2026-12-03T10:01:30.000+00:00"}
     # A file measured with other settings (before a config edit) is to be measured again: not counted.
     records.write_cell(first.path, [], {**timed, "settings": {"other": "settings"}})
-    assert progress.grid_line(experiment, second) == f"grid: 0 of 2 cells measured, starting {second.id}"
+    assert grid_line(experiment, second) == f"grid: 0 of 2 cells measured, starting {second.id}"
     records.write_cell(first.path, [], {**timed, "settings": experiment.cell_settings(first)})
-    assert progress.grid_line(experiment, second) == (
+    assert grid_line(experiment, second) == (
         f"grid: 1 of 2 cells measured, starting {second.id}; about 1 min 30 s left (1 min 30 s a cell over the last 1)"
     )

@@ -6,6 +6,7 @@ A cell whose Snakemake or whose server's supervisor goes away stops at once, wri
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from servegrid import (
     engines,
@@ -35,6 +38,8 @@ from servegrid.engines import Engine
 from servegrid.errors import CellError, CellStalled, GatewayError
 
 log = logging.getLogger(__name__)
+
+RECENT_CELLS = 20  # the grid's ETA: the mean wall time of this many most recently written cells
 
 
 def run_cell(
@@ -136,7 +141,7 @@ def _run_cell(
     ).client_cpus
     hostinfo.check_cpus(client_cpus, "operations.client_cpus")
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
-    log.info("%s", progress.grid_line(experiment, cell))
+    log.info("%s", grid_line(experiment, cell))
     with server.lease(cell.configuration, runtime):
         facts = server.ensure(spec, runtime, owner)
         need = experiment.longest_request(cell.mode, cell.context)
@@ -207,3 +212,40 @@ def _run_cell(
     }
     records.write_cell(out_path, request_records, meta)
     return meta
+
+
+# ---- the grid's progress line, written as each cell starts (before its server is asked for) ----
+
+
+def _wall_s(path: Path) -> float | None:
+    """A cell file's wall time (its server's start included, if it started it), from the file's footer."""
+    try:
+        meta = json.loads((pq.read_schema(path).metadata or {})[records.METADATA_KEY])
+        return (datetime.fromisoformat(meta["ended_at"]) - datetime.fromisoformat(meta["started_at"])).total_seconds()
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def grid_line(experiment: Experiment, cell: Cell) -> str:
+    """How far the grid is: its cells with a file, and an ETA from the most recently written ones."""
+    cells = experiment.cells()
+    # A file measured with other settings is to be measured again (a rerun after a config edit): not counted.
+    present = [Path(c.path) for c in cells if _up_to_date(c.path, experiment.cell_settings(c))]
+    left = len(cells) - len(present)
+    line = f"grid: {len(present)} of {len(cells)} cells measured, starting {cell.id}"
+    recent = sorted(present, key=lambda p: p.stat().st_mtime)[-RECENT_CELLS:]
+    walls = [w for w in map(_wall_s, recent) if w is not None]
+    if walls and left:
+        mean = sum(walls) / len(walls)
+        pace = f"{progress.duration(mean)} a cell over the last {len(walls)}"
+        line += f"; about {progress.duration(mean * left)} left ({pace})"
+    return line
+
+
+def _up_to_date(path: str, settings: dict[str, object]) -> bool:
+    """The cell file exists and was measured with ``settings`` (its footer's metadata only is read)."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+        return bool(json.loads(metadata[records.METADATA_KEY]).get("settings") == settings)
+    except (OSError, KeyError, ValueError, pa.ArrowException):
+        return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from servegrid.modes.base import Primary
+from servegrid.modes.primary import Primary
 
 
 class CellRows:

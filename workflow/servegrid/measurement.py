@@ -23,7 +23,7 @@ from servegrid.client_monitor import ClientMonitor, CollectorPause, StallGuard, 
 from servegrid.config import Operations
 from servegrid.engines import Engine
 from servegrid.errors import CellError, CellStalled
-from servegrid.modes import WorkloadContext
+from servegrid.modes.runner import WorkloadContext
 from servegrid.prompts import PromptBuilder
 from servegrid.request_record import RequestRecord
 from servegrid.stages import StagePlan

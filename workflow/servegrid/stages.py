@@ -7,7 +7,7 @@ asked whether to stop; the next stage brings it to the next of :func:`servegrid.
 Without a rule (a fixed count) it runs one stage of ``requests_per_session`` rounds, and its samples are
 judged only to say how precise it came out.
 
-What a sample is comes from the mode's :class:`~servegrid.modes.base.Primary` and the per-request formulas
+What a sample is comes from the mode's :class:`~servegrid.modes.primary.Primary` and the per-request formulas
 of :func:`servegrid.per_request.derive`, so the cell counts exactly what the summary will report.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from servegrid import per_request, progress, records, sampling
-from servegrid.modes.base import Primary
+from servegrid.modes.primary import Primary
 from servegrid.request_record import RequestRecord
 from servegrid.sampling import Decision, SamplingRule
 

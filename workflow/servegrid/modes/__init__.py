@@ -9,10 +9,10 @@ run time, as the tests do) plus its strings in the catalogues.
 
 from __future__ import annotations
 
-from servegrid.modes.base import FigureSpec, Mode, Primary, WorkloadContext
+from servegrid.modes.base import FigureSpec, Mode, Primary
 from servegrid.modes.registry import get, names, register, registered, unregister
 
-__all__ = ["FigureSpec", "Mode", "Primary", "WorkloadContext", "get", "names", "register", "registered", "unregister"]
+__all__ = ["FigureSpec", "Mode", "Primary", "get", "names", "register", "registered", "unregister"]
 
 # The built-in modes, registered in the order the report shows them.
 from servegrid.modes import decode, single_turn, multi_turn  # noqa: F401, I001

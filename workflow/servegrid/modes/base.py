@@ -1,77 +1,39 @@
-"""What a workload mode is: :class:`Mode`, and the :class:`WorkloadContext` its runner drives.
+r"""What a workload mode is: :class:`Mode`, its :class:`FigureSpec`\ s, and ``N_`` for its words.
 
 A mode is one module under ``servegrid/modes/`` that builds one :class:`Mode`
 and registers it (:func:`servegrid.modes.register`). The mode holds everything
-the pipeline needs to know about it: how to run it, the figure it is judged by,
-what prefix-cache hit rate it should produce, its config schema, its figures,
-its extra summary columns and its words for the report (marked with ``N_`` so
-that ``pybabel extract -k N_`` puts them in the catalogues).
+the pipeline needs to know about it: how to run it (a runner driving
+:class:`~servegrid.modes.runner.WorkloadContext`), the figure it is judged by
+(:class:`~servegrid.modes.primary.Primary`), what prefix-cache hit rate it should
+produce, its config schema, its figures, its extra summary columns and its words
+for the report (marked with ``N_`` so that ``pybabel extract -k N_`` puts them in
+the catalogues).
 
-Nothing here imports the streaming client, so aggregation and the report can
-read the registry without aiohttp.
+Declarations only: aggregation, the verdict and the report read the registry
+without loading the runner, the client or aiohttp.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from servegrid import progress
-from servegrid.request_record import RequestRecord
+from servegrid.modes.primary import Primary
 
 if TYPE_CHECKING:
-    import httpx
+    from servegrid.modes.runner import MeasureHook, WorkloadContext
 
-    from servegrid.client import Streamer
-    from servegrid.engines import Engine
-    from servegrid.prompts import PromptBuilder
-    from servegrid.stages import StagePlan
+__all__ = ["N_", "FigureSpec", "Mode", "Primary", "Runner"]
 
-MeasureHook = Callable[[], Awaitable[None]]
-Runner = Callable[["WorkloadContext", MeasureHook], Awaitable[None]]
-Content = TypeVar("Content")
-
-
-async def _no_pause() -> None:
-    return None
+Runner = Callable[["WorkloadContext", "MeasureHook"], Awaitable[None]]
 
 
 def N_(message: str) -> str:
     """Mark ``message`` for the catalogues; it is translated where it is shown."""
     return message
-
-
-@dataclass(frozen=True)
-class Primary:
-    """The figure a mode is judged by."""
-
-    column: str  # a per-request column of the requests table
-    higher_is_better: bool
-    unit: str  # "seconds" or "rate": how the report writes the value
-    axis_label: str  # N_: the figures' y axis
-    header: str  # N_: the report table's column header
-    verdict_word: str  # N_ (or a symbol): what a factor measures, "1,3–1,9× decode"
-    turn: int | None = None  # only this conversation turn's requests
-
-    @property
-    def metric(self) -> str:
-        return self.column if self.turn is None else f"{self.column}@turn{self.turn}"
-
-    def mask(self, requests: Mapping[str, Any]) -> Any:
-        """Which requests this figure's samples come from: measured, valid, of its turn (columns of
-        servegrid.per_request.derive's table, as a DataFrame or as numpy arrays). The summary, the verdict and
-        sequential sampling all count these, and only these."""
-        selected = (requests["phase"] == "measured") & requests["valid"]
-        return selected if self.turn is None else selected & (requests["turn"] == self.turn)
-
-    def rows(self, requests: pd.DataFrame) -> pd.DataFrame:
-        """The rows of :meth:`mask`."""
-        return requests[self.mask(requests)]
 
 
 @dataclass(frozen=True)
@@ -136,164 +98,3 @@ class Mode:
         """Tokens of prompt text a cell needs: its longest request plus headroom."""
         longest = settings["context"] + self.corpus_extra(settings["workload"])
         return min(max(longest + 512, 4096), 200_000)
-
-
-@dataclass
-class WorkloadContext:
-    """What a mode's runner works with: the cell's settings, the engine, the streamer and the prompts."""
-
-    mode: str
-    context: int
-    concurrency: int
-    workload: dict[str, Any]
-    temperature: float
-    model: str
-    engine: Engine
-    streamer: Streamer
-    builder: PromptBuilder
-    sync_client: httpx.Client
-    url: str
-    plan: StagePlan
-    records: list[RequestRecord] = field(default_factory=list)
-    # Around the pause after a stage (streams decoded, samples judged, the next prompts built; nothing in
-    # flight): the cell stops and restarts what watches the client's timing, which that work would skew.
-    pause_timing: MeasureHook = _no_pause
-    resume_timing: MeasureHook = _no_pause
-    measuring_since_ns: int | None = None  # set when the measured phase begins
-    server_model: str = ""  # the server's name for control calls (tokenizer); ``model``: the gateway's, if any
-
-    def new_record(
-        self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
-    ) -> RequestRecord:
-        record = RequestRecord(
-            request_id=label or f"{phase}-s{session}-r{seq}-t{turn}",
-            session=session,
-            seq=seq,
-            phase=phase,
-            turn=turn,
-            prompt_tokens_requested=prompt_tokens,
-            output_tokens_requested=self.workload["output_tokens"],
-        )
-        self.records.append(record)
-        return record
-
-    async def complete(self, record: RequestRecord, prompt: list[int]) -> None:
-        """Send ``prompt``; its stream is decoded once the cell's streams are over (Streamer.decode_pending)."""
-        payload = self.engine.completion_payload(self.model, prompt, self.workload["output_tokens"], self.temperature)
-        await self.streamer.stream(self.engine.completions_path, payload, record, decode=False)
-
-    async def chat(self, record: RequestRecord, messages: list[dict[str, str]]) -> None:
-        """Send a chat turn and decode it at once: the next turn needs the reply's text."""
-        payload = self.engine.chat_payload(self.model, messages, self.workload["output_tokens"], self.temperature)
-        record.messages = list(messages)
-        await self.streamer.stream(self.engine.chat_path, payload, record)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenize(self.sync_client, self.url, self.server_model or self.model, text)
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.engine.detokenize(self.sync_client, self.url, self.server_model or self.model, tokens)
-
-    def chat_prompt_tokens(self, messages: Sequence[Mapping[str, str]]) -> int:
-        return self.engine.chat_prompt_tokens(self.sync_client, self.url, self.server_model or self.model, messages)
-
-    def elapsed_s(self) -> float:
-        """Seconds since the measured phase began (0 before)."""
-        since = self.measuring_since_ns
-        return 0.0 if since is None else (time.monotonic_ns() - since) / 1e9
-
-    def may_start(self) -> bool:
-        """False once the measured phase has run for the plan's time limit (where it has one)."""
-        limit = self.plan.time_limit_s
-        return limit is None or self.elapsed_s() < limit
-
-
-async def send_one_by_one(
-    ctx: WorkloadContext, phase: str, prompts: Sequence[list[int]], turn_of_index: bool = False
-) -> None:
-    """Send ``prompts`` one after another from session 0, unmeasured (warm-up, probe)."""
-    for i, prompt in enumerate(prompts):
-        record = ctx.new_record(0, i, phase, len(prompt), turn=i + 1 if turn_of_index else 1)
-        record.intended_send_ns = time.monotonic_ns()
-        await ctx.complete(record, prompt)
-
-
-async def measure_in_stages(
-    ctx: WorkloadContext,
-    measure: MeasureHook,
-    prepare: Callable[[list[tuple[int, int]]], Sequence[Content]],
-    send: Callable[[int, int, Content, int], Awaitable[int]],
-    settle: Callable[[], None] = lambda: None,
-) -> None:
-    """The measured phase: closed-loop sessions, in the stages ``ctx.plan`` sets (servegrid.stages).
-
-    ``prepare(units)`` builds the content of each ``(session, index)`` unit of a stage before it starts
-    (synchronously: it may ask the server's tokenizer, so nothing may be in flight); ``send(session, index,
-    content, intended_ns)`` runs one unit and returns when the session wanted to send its next one (the
-    reply's end). Sessions of a stage start at one instant; the next stage starts once all are done,
-    after the streams are decoded, ``settle()`` has completed the records (what is not measured while
-    streams are in flight) and the samples are judged.
-    """
-    done = 0
-
-    def units(rounds: int) -> list[tuple[int, int]]:
-        return [(s, i) for s in range(ctx.concurrency) for i in range(done, done + rounds)]
-
-    rounds = ctx.plan.next_rounds(ctx.records, 0.0)
-    contents = prepare(units(rounds))
-    await measure()
-    ctx.measuring_since_ns = time.monotonic_ns()
-    while rounds:
-        by_session = [contents[s * rounds : (s + 1) * rounds] for s in range(ctx.concurrency)]
-
-        async def session(
-            s: int, start_ns: int, first: int = done, stage: list[Sequence[Content]] = by_session
-        ) -> None:
-            intended = start_ns
-            for i, content in enumerate(stage[s]):
-                if not ctx.may_start():
-                    break
-                intended = await send(s, first + i, content, intended)
-
-        ctx.plan.stage_started(ctx.elapsed_s())
-        planned = rounds * ctx.concurrency * int(ctx.workload.get("turns", 1))  # requests, every turn counted
-        ticker = asyncio.create_task(progress.stage_ticker(ctx, len(ctx.plan.stages), planned, len(ctx.records)))
-        try:
-            await run_sessions(ctx, session)
-        finally:
-            ticker.cancel()
-        ctx.plan.stage_ended(ctx.elapsed_s())
-        done += rounds
-        await ctx.pause_timing()
-        ctx.streamer.decode_pending()  # nothing is in flight: decoding delays no timestamp
-        settle()
-        rounds = ctx.plan.next_rounds(ctx.records, ctx.elapsed_s())
-        if rounds and ctx.may_start():
-            contents = prepare(units(rounds))
-            await ctx.resume_timing()
-        elif rounds:  # time is up while judging: the planned stage would send nothing
-            ctx.plan.time_up()
-            rounds = 0
-
-
-async def run_sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitable[None]]) -> None:
-    """Run ``concurrency`` closed-loop sessions that start at one instant.
-
-    ``body(session, start_ns)`` sends that session's requests back to back.
-    """
-    start_ns = time.monotonic_ns()
-    await asyncio.gather(*(body(s, start_ns) for s in range(ctx.concurrency)))
-
-
-async def measure_completions(
-    ctx: WorkloadContext, measure: MeasureHook, prompt_of: Callable[[list[tuple[int, int]]], Sequence[list[int]]]
-) -> None:
-    """The measured phase of a completion mode: each unit is one prompt, sent back to back per session."""
-
-    async def send(s: int, i: int, prompt: list[int], intended_ns: int) -> int:
-        record = ctx.new_record(s, i, "measured", len(prompt))
-        record.intended_send_ns = intended_ns
-        await ctx.complete(record, prompt)
-        return record.end_ns or time.monotonic_ns()
-
-    await measure_in_stages(ctx, measure, prompt_of, send)

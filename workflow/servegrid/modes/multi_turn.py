@@ -15,16 +15,9 @@ from typing import Any
 import pandas as pd
 
 from servegrid import stats
-from servegrid.modes.base import (
-    N_,
-    FigureSpec,
-    MeasureHook,
-    Mode,
-    Primary,
-    WorkloadContext,
-    measure_in_stages,
-)
+from servegrid.modes.base import N_, FigureSpec, Mode, Primary
 from servegrid.modes.registry import register
+from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_in_stages
 
 
 def exact_chat_message(

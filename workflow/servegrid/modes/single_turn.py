@@ -13,17 +13,9 @@ from typing import Any
 
 import pandas as pd
 
-from servegrid.modes.base import (
-    N_,
-    FigureSpec,
-    MeasureHook,
-    Mode,
-    Primary,
-    WorkloadContext,
-    measure_completions,
-    send_one_by_one,
-)
+from servegrid.modes.base import N_, FigureSpec, Mode, Primary
 from servegrid.modes.registry import register
+from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_completions, send_one_by_one
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
