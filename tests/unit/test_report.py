@@ -13,10 +13,10 @@ from babel.numbers import format_percent
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
 from helpers import with_changes
-from servegrid import catalogues, figure_list, figures, figures_run, modes, report
-from servegrid.catalogues import LOCALES
+from servegrid import catalogues, figure_list, figures, figures_run, languages, modes, report
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, ReportError
+from servegrid.languages import LOCALES
 from servegrid.report import TEMPLATES
 
 
@@ -107,7 +107,7 @@ def test_catalogues_translate_every_template_message():
             }
     extracted.discard(None)  # _(variable): translated where the variable's message is marked
     assert len(extracted) > 40
-    for lang in catalogues.available_languages():
+    for lang in languages.available_languages():
         with (LOCALES / lang / "LC_MESSAGES" / "messages.po").open("rb") as handle:
             catalog = read_po(handle)
         translated = {m.id: m.string for m in catalog if m.id}
@@ -119,7 +119,7 @@ def test_catalogues_translate_every_template_message():
 
 
 def test_languages_come_from_catalogues():
-    assert catalogues.available_languages() == ["hu", "pt"]
+    assert languages.available_languages() == ["hu", "pt"]
     with pytest.raises(ConfigError, match="no catalogue for language 'de'"):
         catalogues.load_catalog("de")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from babel import Locale
@@ -22,18 +21,7 @@ from babel.units import format_unit
 
 from servegrid import stats
 from servegrid.errors import ConfigError
-
-REPORT_ROOT = Path(__file__).resolve().parents[2] / "report"
-LOCALES = REPORT_ROOT / "locales"
-DOMAIN = "messages"
-
-
-def catalog_path(lang: str) -> Path:
-    return LOCALES / lang / "LC_MESSAGES" / f"{DOMAIN}.po"
-
-
-def available_languages() -> list[str]:
-    return sorted(p.parent.parent.name for p in LOCALES.glob(f"*/LC_MESSAGES/{DOMAIN}.po"))
+from servegrid.languages import DOMAIN, catalog_path
 
 
 def load_catalog(lang: str) -> tuple[Translations, Locale]:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from servegrid import engines, redact
 from servegrid.errors import ConfigError
+from servegrid.languages import available_languages
+from servegrid.tiny_model_spec import check_replaceable
 
 if TYPE_CHECKING:  # the Experiment calls these checks on itself
     from servegrid.config import Experiment
@@ -26,13 +28,9 @@ def check(experiment: Experiment) -> None:
         )
         _context_limits(experiment)
         if experiment.model.tiny is not None:
-            from servegrid.model import check_replaceable
-
             check_replaceable(experiment.model.path)  # before Snakemake could delete a real model's folder
         if not experiment.workloads:
             raise ConfigError("workloads: no workload mode is enabled")
-        from servegrid.catalogues import available_languages
-
         missing = [lang for lang in experiment.languages if lang not in available_languages()]
         if missing:
             raise ConfigError(

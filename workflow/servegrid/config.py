@@ -47,6 +47,7 @@ from servegrid.sections import (
     sampling_rules,
     section,
 )
+from servegrid.tiny_model_spec import TinyModelSpec
 
 __all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Validity", "VerdictRules", "Workload"]
 
@@ -183,8 +184,6 @@ class Experiment:
 
     def tiny_model_spec(self) -> dict[str, Any] | None:
         """model.tiny with every default spelled out, or None."""
-        from servegrid.model import TinyModelSpec
-
         tiny = self.model.tiny
         return None if tiny is None else asdict(TinyModelSpec(**tiny))
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from servegrid import text
 from servegrid.atomic import atomic_directory
-from servegrid.errors import ConfigError
+from servegrid.tiny_model_spec import MARKER, TinyModelSpec, check_replaceable
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -31,22 +31,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    """Shape of the generated model; defaults are the ones seen working on 2 CPU cores."""
-
-    vocab_size: int = 2048
-    hidden_size: int = 512
-    intermediate_size: int = 1536
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    head_dim: int = 64
-    max_position_embeddings: int = 32768
-    corpus_seed: int = 1234
-    corpus_sentences: int = 20000
 
 
 def train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
@@ -107,19 +91,6 @@ def tokenizer_config(spec: TinyModelSpec) -> dict:
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
-
-
-MARKER = "servegrid_tiny_model.json"  # in every folder build() writes: the only folders it may replace
-
-
-def check_replaceable(out_dir: Path | str) -> None:
-    """Refuse, naming the key, to replace a folder that servegrid did not build (a user's real model)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not (out_dir / MARKER).is_file():
-        raise ConfigError(
-            f"model.path: {out_dir} exists and is not a tiny model servegrid built (no {MARKER}); with model.tiny "
-            "set it would be replaced. Point model.path at a new folder, or remove model.tiny to serve it as it is"
-        )
 
 
 def build(out_dir: Path, spec: TinyModelSpec | None = None) -> dict[str, str]:

@@ -24,10 +24,11 @@ import matplotlib
 import pandas as pd
 
 from servegrid import atomic, report_gateway
-from servegrid.catalogues import REPORT_ROOT, Formatter, load_catalog
+from servegrid.catalogues import Formatter, load_catalog
 from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ReportError
 from servegrid.figure_list import FIGURE_DPI, FORMATS, figure_specs
+from servegrid.languages import REPORT_ROOT
 from servegrid.report_data import ReportData
 
 TEMPLATES = REPORT_ROOT / "templates"
