@@ -2,7 +2,7 @@
 
 The calibration server (servegrid.testing.calibration, loopback, pinned to CPU 0)
 streams on a fixed schedule and stamps every SSE event with the monotonic time
-it wrote it. servegrid's own client path (servegrid.client.Streamer, the code
+it wrote it. servegrid's own client path (servegrid.measuring.client.Streamer, the code
 every cell uses), pinned to CPU 1, stamps each socket read in the connection's
 data_received. Per event, client-added latency = arrival stamp − write stamp;
 both come from CLOCK_MONOTONIC, which is system-wide on Linux.
@@ -36,11 +36,12 @@ import httpx
 import numpy as np
 from httpx_aiohttp import HttpxAiohttpClient
 
-from servegrid import engines, hostinfo
-from servegrid.client import Streamer, decode_stream, streaming_session
-from servegrid.client_monitor import ClientMonitor, CollectorPause
-from servegrid.measurement import run_loop
-from servegrid.request_record import RequestRecord
+from servegrid import engines
+from servegrid.measuring.client import Streamer, decode_stream, streaming_session
+from servegrid.measuring.client_monitor import ClientMonitor, CollectorPause
+from servegrid.measuring.measured_phase import run_loop
+from servegrid.records.request import RequestRecord
+from servegrid.serving import hostinfo
 
 REPO = Path(__file__).resolve().parents[1]
 # The calibration server speaks vLLM's dialect by default, so the requests are a vLLM cell's, byte for byte.

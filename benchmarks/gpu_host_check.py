@@ -1,12 +1,12 @@
 """Before the seed experiment on a GPU host: does each configuration get the GPU(s) it names?
 
 Checks, without starting vLLM (a 27B model takes minutes to load):
-- the GPUs every configuration names are on this host (servegrid.hostinfo.check_gpus,
+- the GPUs every configuration names are on this host (servegrid.serving.hostinfo.check_gpus,
   the check each server start makes);
 - under each configuration's server environment (its engine's server_env, the API key
   left out), a CUDA process sees exactly that many GPUs, and they are the ones nvidia-smi
   lists under those indices (by UUID);
-- the host description the report prints (servegrid.hostinfo.describe).
+- the host description the report prints (servegrid.serving.hostinfo.describe).
 
     python benchmarks/gpu_host_check.py [--config config.yaml] [--cuda-python PATH]
 
@@ -23,9 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from servegrid import engines, hostinfo
+from servegrid import engines
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, ServerError
+from servegrid.serving import hostinfo
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@
 Samples per cell come from the CPU demo's measured dispersion (its requests table, after `make demo`): per
 mode and for one session vs several, the robust spread of the log of each cell's primary samples (IQR /
 1.349), then simulated cells drawn lognormal with that spread, sampled by config.yaml's rule with the
-runner's own schedule (servegrid.sampling.next_stage_rounds + decide). GPU time per sample comes from the
+runner's own schedule (servegrid.stats.sampling.next_stage_rounds + decide). GPU time per sample comes from the
 seed's published latencies (tests/data/seed-findings.yaml), with these simplifications, all of which make the
 figure a lower bound at high concurrency: per-session decode speed as at one session; TTFT interpolated
 linearly in concurrency between the seed's points for a context (the nearest point where it has one only);
@@ -25,8 +25,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from servegrid import modes, sampling
+from servegrid import modes
 from servegrid.config import Experiment
+from servegrid.stats import sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 TRIALS = 400

@@ -5,10 +5,10 @@ For each size, in a temporary working directory of its own (the Snakefile, ``wor
 
 1. The grid is 4 configurations (prefix caching, MTP, ngram, ngram + prefix caching) × 3 workload modes ×
    C contexts × K concurrency levels, C and K as close to equal as the size allows. Every cell file is
-   written through the package's own writer (:func:`servegrid.records.write_cell` with
-   :class:`servegrid.request_record.RequestRecord`), with the metadata a real cell job records: the cell's
-   settings from :meth:`Experiment.cell_settings`, its server's facts (:class:`servegrid.state.ServerFacts`),
-   the server's counters, derived figures (:func:`servegrid.metrics.derived`) and gauges, the client's
+   written through the package's own writer (:func:`servegrid.records.cell_file.write_cell` with
+   :class:`servegrid.records.request.RequestRecord`), with the metadata a real cell job records: the cell's
+   settings from :meth:`Experiment.cell_settings`, its server's facts (:class:`servegrid.serving.state.ServerFacts`),
+   the server's counters, derived figures (:func:`servegrid.engines.metrics.derived`) and gauges, the client's
    self-watch and the sampling stages. Rows are plausible: sequential sampling's stages (30 samples,
    sometimes a second stage), closed-loop sessions, warm-ups, probes and three-turn conversations,
    speculative configurations streaming chunks of several tokens, TTFT growing with context and load,
@@ -65,9 +65,12 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from servegrid import atomic, metrics, modes, paths, records, state
+from servegrid import atomic, modes, paths
 from servegrid.config import Cell, Experiment, spec_hash
-from servegrid.request_record import RequestRecord
+from servegrid.engines import metrics
+from servegrid.records import cell_file
+from servegrid.records.request import RequestRecord
+from servegrid.serving import state
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -325,7 +328,7 @@ def _server_metrics(
     experiment: Experiment, cell: Cell, recs: list[RequestRecord], kv_limited: bool, duration_s: float,
     rng: random.Random,
 ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
-    """The cell's server metrics as servegrid.measurement records them, and its one repeat's record."""
+    """The cell's server metrics as servegrid.measuring.measured_phase records them, and its one repeat's record."""
     conf = experiment.configuration(cell.configuration)
     measured = [r for r in recs if r.phase == "measured"]
     frame = pd.DataFrame(
@@ -431,7 +434,7 @@ def server_facts(experiment: Experiment, name: str, index: int) -> state.ServerF
 
 
 def write_cell(experiment: Experiment, cell: Cell, facts: state.ServerFacts, rng: random.Random) -> int:
-    """One synthetic cell file, as servegrid.cell writes it; returns its number of rows."""
+    """One synthetic cell file, as servegrid.pipeline.cell_job writes it; returns its number of rows."""
     recs, sampled, kv_limited = _cell_records(experiment, cell, rng)
     duration_s = sum(s["end_s"] - s["start_s"] for s in sampled["stages"])
     server_metrics, repeat = _server_metrics(experiment, cell, recs, kv_limited, duration_s, rng)
@@ -451,7 +454,7 @@ def write_cell(experiment: Experiment, cell: Cell, facts: state.ServerFacts, rng
         "sampling": sampled,
         "cache_state": "reset",
     }  # fmt: skip
-    records.write_cell(cell.path, recs, meta)
+    cell_file.write_cell(cell.path, recs, meta)
     return len(recs)
 
 

@@ -55,13 +55,17 @@ import httpx
 import numpy as np
 import yaml
 
-from servegrid import engines, metrics, model, per_request, procs, server, stats
-from servegrid.client import Streamer, streaming_session
-from servegrid.client_monitor import CollectorPause
+from servegrid import engines
 from servegrid.config import Experiment
-from servegrid.measurement import run_loop
-from servegrid.prompts import PromptBuilder
-from servegrid.request_record import RequestRecord
+from servegrid.engines import metrics
+from servegrid.measuring.client import Streamer, streaming_session
+from servegrid.measuring.client_monitor import CollectorPause
+from servegrid.measuring.measured_phase import run_loop
+from servegrid.modes.prompts import PromptBuilder
+from servegrid.records import per_request
+from servegrid.records.request import RequestRecord
+from servegrid.serving import procs, server, tiny_model
+from servegrid.stats import intervals
 from servegrid.testing import benchmark_stats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +94,7 @@ def experiment(out: Path, config: Path | None, vllm_python: Path) -> Experiment:
     raw["engine"]["command"][0] = str(vllm_python)
     raw["engine"]["args"] = ["--load-format", "dummy", "--max-model-len", "4096"]
     exp = Experiment(raw, source="upstream_compare")
-    model.build(out / "model", model.TinyModelSpec(**exp.tiny_model_spec()))
+    tiny_model.build(out / "model", tiny_model.TinyModelSpec(**exp.tiny_model_spec()))
     return exp
 
 
@@ -218,11 +222,11 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
         a, b = pooled(ours, metric), pooled(theirs, metric)
         row[f"{metric}_p50_ms"] = {"servegrid": p50(a), "upstream": p50(b)}
         row[f"{metric}_ratio"] = p50(a) / p50(b)
-        row[f"{metric}_ratio_ci"] = stats.ratio_of_medians_ci(a, b)
+        row[f"{metric}_ratio_ci"] = intervals.ratio_of_medians_ci(a, b)
         # Paired by round: the server drifts between rounds, both clients see each round's state.
         per_round = [p50(x[metric]) / p50(y[metric]) for x, y in zip(ours, theirs, strict=True)]
         row[f"{metric}_paired_ratio"] = float(np.median(per_round))
-        row[f"{metric}_paired_ratio_ci"] = stats.median_ci(per_round)
+        row[f"{metric}_paired_ratio_ci"] = intervals.median_ci(per_round)
         # Rank by rank within a round: at several sessions on one CPU core, prefills queue, so TTFT is a
         # request's place in the queue times one prefill, and a p50 between two places jumps when one
         # request changes place. The k-th fastest against the k-th fastest of the same round compares the
@@ -247,7 +251,7 @@ def compare(name: str, concurrency: int, ours: list[dict], theirs: list[dict]) -
         }
         normalized = [a / b for a, b in zip(over_server["servegrid"], over_server["upstream"], strict=True)]
         row[f"{metric}_server_normalized_ratio"] = float(np.median(normalized))
-        row[f"{metric}_server_normalized_ratio_ci"] = stats.median_ci(normalized)
+        row[f"{metric}_server_normalized_ratio_ci"] = intervals.median_ci(normalized)
         row[f"{metric}_client_over_server"] = {tool: float(np.median(v)) for tool, v in over_server.items()}
         row[f"{metric}_client_minus_server_ms"] = {
             tool: float(np.median([(np.mean(run[metric]) - run["server"][metric]) * 1e3 for run in runs]))

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from helpers import REPO, free_port_range
-from servegrid import server
+from servegrid.serving import server
 from servegrid.testing.calibration import RunningServer, Script
 
 
 @pytest.fixture(scope="session", autouse=True)
 def host_claims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The suite's own directory of host-wide port and GPU claims (servegrid.hostlocks): apart from any
+    """The suite's own directory of host-wide port and GPU claims (servegrid.serving.hostlocks): apart from any
     real pipeline on this machine; inherited by every Snakemake and server the tests start."""
     path = tmp_path_factory.mktemp("host-claims")
     path.chmod(0o700)  # servegrid uses only a claims directory that is this user's alone

@@ -19,7 +19,8 @@ import pytest
 
 from helpers import REPO, copy_workflow, free_port_range, write_yaml
 from helpers.faults import calibration_config, half_written, kill_survivors, wait_for, wait_no_survivors
-from servegrid import paths, state
+from servegrid import paths
+from servegrid.serving import state
 
 pytestmark = pytest.mark.pipeline
 
@@ -62,7 +63,7 @@ def workdir(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_the_pipeline_starts_one_gateway_and_stops_it(workdir, matrix):
-    # 8 requests a cell a side: enough for a median (servegrid.sampling)
+    # 8 requests a cell a side: enough for a median (servegrid.stats.sampling)
     grid = {"decode": {"contexts": [32, 64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 4}}
     write_yaml(workdir / CONFIG, gateway_config(**grid))
     started = time.monotonic()

@@ -34,8 +34,10 @@ import pytest
 
 from helpers import copy_workflow, write_yaml
 from helpers.faults import calibration_config, half_written, kill_survivors, wait_for, wait_no_survivors
-from servegrid import paths, procs, records, state
+from servegrid import paths
 from servegrid.config import Experiment
+from servegrid.records import cell_file
+from servegrid.serving import procs, state
 
 pytestmark = pytest.mark.pipeline
 
@@ -113,13 +115,13 @@ def records_of(workdir: Path) -> dict[str, Any]:
 
 
 def cell_server(cell: Path) -> dict[str, Any]:
-    return records.read_cell(cell)[1]["server"]
+    return cell_file.read_cell(cell)[1]["server"]
 
 
 def assert_grid_complete(workdir: Path, report: bool = False) -> None:
     """Every cell and table exists and reads back (and the report, if asked)."""
     for cell in grid_cells(workdir):
-        records.read_cell(cell)  # checksums verified
+        cell_file.read_cell(cell)  # checksums verified
     for table in TABLES:
         pq.read_table(workdir / table)
     if report:
@@ -252,7 +254,7 @@ def test_stale_records(done: Path, stranger: subprocess.Popen, matrix):  # type:
     record_path.write_text(json.dumps(stale, indent=2))
     started = time.monotonic()
     down = subprocess.run(
-        [sys.executable, "-m", "servegrid.cli", "--config", CONFIG, "server", "down", "--all"],
+        [sys.executable, "-m", "servegrid.pipeline.cli", "--config", CONFIG, "server", "down", "--all"],
         cwd=workdir, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     took = time.monotonic() - started

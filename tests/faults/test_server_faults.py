@@ -25,7 +25,9 @@ import pytest
 
 from helpers import TEST_ENGINE_ARGS, copy_workflow, snakemake, write_yaml
 from helpers.faults import half_written, kill_survivors, vllm_config, wait_for, wait_no_survivors
-from servegrid import paths, records, state
+from servegrid import paths
+from servegrid.records import cell_file
+from servegrid.serving import state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
 
@@ -239,7 +241,7 @@ def test_the_run_after_the_last_fault_completes_the_grid(chain):
     """Check 4 of the chain's last fault; the earlier ones' reruns each measured on a new server (next_run)."""
     kill_survivors(chain.workdir)
     rerun_completes(chain.workdir, unlock=chain.needs_unlock)
-    session = records.read_cell(chain.workdir / CELL)[1]["server"]["session"]
+    session = cell_file.read_cell(chain.workdir / CELL)[1]["server"]["session"]
     assert session not in chain.sessions  # measured on a new server, not on one a fault left behind
 
 
@@ -281,7 +283,7 @@ def test_engine_hang_between_cells_is_not_reused(workdir, matrix):
     assert replaced in second_log
     match = re.search(r"\(ReadTimeout after ([\d.]+) s, limit (\d+) s\): replaced, not reused", second_log)
     assert match, second_log[-3000:]
-    measured_on = records.read_cell(cells[second])[1]["server"]
+    measured_on = cell_file.read_cell(cells[second])[1]["server"]
     assert measured_on["session"] != hung["session"]
     assert half_written(workdir) == []
     assert wait_no_survivors(workdir, 45) == []  # the SIGSTOPped engine included

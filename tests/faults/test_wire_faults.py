@@ -23,10 +23,11 @@ import pandas as pd
 import pytest
 
 from helpers.faults import Matrix, calibration_config, half_written, wait_no_survivors
-from servegrid import aggregate, procs, server
-from servegrid.cell import run_cell
+from servegrid.analysis import aggregation
 from servegrid.config import Cell, Experiment
 from servegrid.errors import CellStalled
+from servegrid.pipeline.cell_job import run_cell
+from servegrid.serving import procs, server
 
 # One decode cell, two sessions × two requests. The calibration server numbers generation requests from 1:
 # request 1 is its own start-up warm-up (servegrid's), 2 the cell's warm-up, 3 to 6 the measured ones.
@@ -54,7 +55,7 @@ def measure(sandbox: server.Runtime, *server_args: str) -> tuple[pd.DataFrame, p
     built, cell = experiment(*server_args)
     run_cell(built, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     out = {k: f"{k}.parquet" for k in ("requests", "summary", "servers", "comparisons")}
-    aggregate.aggregate(built, [cell.path], out["requests"], out["summary"], out["servers"], out["comparisons"])
+    aggregation.aggregate(built, [cell.path], out["requests"], out["summary"], out["servers"], out["comparisons"])
     (row,) = pd.read_parquet(out["summary"]).to_dict("records")
     return pd.read_parquet(cell.path), pd.Series(row)
 

@@ -78,11 +78,11 @@ def synthetic_cell(
     preemptions: float = 0.0,
     kv_usage_max: float = 0.1,
 ) -> None:
-    """Write a cell file with known timings, as servegrid.cell would (for aggregation/report tests)."""
+    """Write a cell file with known timings, as servegrid.pipeline.cell_job would (for aggregation/report tests)."""
     import random as _random
 
-    from servegrid import records
-    from servegrid.request_record import RequestRecord
+    from servegrid.records import cell_file
+    from servegrid.records.request import RequestRecord
 
     rng = _random.Random(f"{configuration}{mode}{context}{concurrency}")
     recs = []
@@ -172,7 +172,7 @@ def synthetic_cell(
             "gauges": {"samples": 3, "scrape_errors": 0, "kv_cache_usage_perc_max": kv_usage_max},
         },
     }
-    records.write_cell(path, recs, meta)
+    cell_file.write_cell(path, recs, meta)
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -224,7 +224,7 @@ def leftovers(workdir: Path) -> list[int]:
     """
     import json
 
-    from servegrid import procs
+    from servegrid.serving import procs
 
     alive = []
     for record_path in (workdir / "results" / ".servegrid").glob("*/*.json"):  # every host's folder

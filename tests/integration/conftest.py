@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from helpers import REPO, TEST_ENGINE_ARGS, VLLM_PYTHON, free_port_range
-from servegrid import model, procs, server
 from servegrid.config import Experiment
+from servegrid.serving import procs, server, tiny_model
 
 
 def shared_config(model_dir: Path) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def vllm_server(tmp_path_factory):  # type: ignore[no-untyped-def]
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make setup` (or `make test`, which sets up first)")
     root = tmp_path_factory.mktemp("vllm")
     model_dir = root / "tiny-qwen3"
-    model.build(model_dir)
+    tiny_model.build(model_dir)
     experiment = Experiment(shared_config(model_dir), source="integration")
     runtime = server.Runtime(
         port_range=free_port_range(), startup_timeout_s=600, shutdown_timeout_s=20, state_dir=str(root / "state"),

@@ -17,10 +17,14 @@ import pandas as pd
 import pytest
 
 from helpers import REPO, free_port_range, with_changes
-from servegrid import aggregate, engines, gateway, gateway_check, per_request, procs, records, server, state
-from servegrid.cell import run_cell
+from servegrid import engines
+from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import GatewayError
+from servegrid.measuring import gateway_check
+from servegrid.pipeline.cell_job import run_cell
+from servegrid.records import cell_file, per_request
+from servegrid.serving import gateway, procs, server, state
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +47,7 @@ def proxied(vllm_server):  # type: ignore[no-untyped-def]
     raw = with_changes(
         experiment.raw,
         route="both",
-        # 8 requests a side for decode: enough for a median (servegrid.sampling); multi-turn has 6 conversations.
+        # 8 requests a side for decode: enough for a median (servegrid.stats.sampling); multi-turn has 6 conversations.
         **{"workloads.decode.requests_per_session": 4},
         proxy={"version": PINNED, "command": [str(LITELLM)], "master_key_env": KEY_ENV,
                "port": free_port_range()[0]},
@@ -69,7 +73,7 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
         assert found["per_chunk_usage"] is False
         assert found["same_text"] is True
         assert meta["gateway"]["facts"]["version"] == PINNED
-        frame = per_request.derive(records.read_cell(out)[0].to_pandas())
+        frame = per_request.derive(cell_file.read_cell(out)[0].to_pandas())
         rows = frame[frame["phase"] == "measured"]
         assert set(rows["route"]) == {"direct", "proxy"}
         through = rows[rows["route"] == "proxy"]
@@ -79,10 +83,10 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
         assert (through["prompt_tokens_reported"] == through["prompt_tokens_requested"]).all()
         assert frame["request_id"].is_unique
     # The shared server speculates (ngram): some chunks carry several tokens, which only the direct stream counts.
-    decode = per_request.derive(records.read_cell(paths[0])[0].to_pandas())
+    decode = per_request.derive(cell_file.read_cell(paths[0])[0].to_pandas())
     assert decode.loc[decode["route"] == "direct", "chunk_tokens_exact"].all()
     out = {name: str(tmp_path / f"{name}.parquet") for name in ("req", "sum", "srv", "cmp", "gw", "gwv")}
-    summary = aggregate.aggregate(experiment, paths, out["req"], out["sum"], out["srv"], out["cmp"],
+    summary = aggregation.aggregate(experiment, paths, out["req"], out["sum"], out["srv"], out["cmp"],
                                   gateway_out=out["gw"], gateway_verdict_out=out["gwv"])  # fmt: skip
     assert len(summary) == 2 and (pd.read_parquet(out["req"])["route"] == "direct").all()
     added = pd.read_parquet(out["gw"])
@@ -118,7 +122,7 @@ def test_an_existing_gateway_is_used_as_it_is(proxied, tmp_path):
     (cell,) = [c for c in existing.cells() if c.mode == "decode"]
     meta = run_cell(existing, cell, tmp_path / "decode.parquet", owner=owner, runtime=runtime)
     assert meta["gateway"]["facts"]["started_by_servegrid"] is False and meta["route"] == "proxy"
-    rows = records.read_cell(tmp_path / "decode.parquet")[0].to_pandas()
+    rows = cell_file.read_cell(tmp_path / "decode.parquet")[0].to_pandas()
     assert set(rows["route"]) == {"proxy"}
     assert state.read(state.record_path(runtime, state.GATEWAY))["session"] == running.session  # none started
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from helpers import REPO, TEST_ENGINE_ARGS, copy_workflow, leftovers, snakemake, write_yaml
-from servegrid.records import CELL_SCHEMA
+from servegrid.records.cell_file import CELL_SCHEMA
 
 pytestmark = [pytest.mark.vllm, pytest.mark.pipeline]
 

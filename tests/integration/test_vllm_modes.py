@@ -7,8 +7,10 @@ import os
 import pandas as pd
 import pytest
 
-from servegrid import engines, per_request, procs, records
-from servegrid.cell import run_cell
+from servegrid import engines
+from servegrid.pipeline.cell_job import run_cell
+from servegrid.records import cell_file, per_request
+from servegrid.serving import procs
 
 pytestmark = pytest.mark.vllm
 
@@ -19,7 +21,7 @@ def measure(vllm_server, mode, tmp_path):  # type: ignore[no-untyped-def]
     out = tmp_path / f"{mode}.parquet"
     meta = run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()), runtime=runtime)
     assert meta["server"]["session"] == facts.session  # the shared server was reused
-    table, stored = records.read_cell(out)
+    table, stored = cell_file.read_cell(out)
     frame = per_request.derive(table.to_pandas())
     return frame, stored
 

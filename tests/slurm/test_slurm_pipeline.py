@@ -20,7 +20,9 @@ import pytest
 
 from helpers import copy_workflow, write_yaml
 from helpers.faults import kill_survivors, vllm_config, wait_for, wait_no_survivors
-from servegrid import paths, records, state
+from servegrid import paths
+from servegrid.records import cell_file
+from servegrid.serving import state
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.vllm, pytest.mark.slurm]
 
@@ -124,7 +126,7 @@ def test_the_rerun_measures_the_rest_one_job_and_one_server_per_configuration(wo
     jobs = {}
     for configuration in CONFIGURATIONS:
         cells = sorted((workdir / "results" / "cells" / configuration).rglob("*.parquet"))
-        metas = [records.read_cell(path)[1] for path in cells]
+        metas = [cell_file.read_cell(path)[1] for path in cells]
         assert len(metas) == 2, configuration
         slurm_jobs = {m["slurm_job"] for m in metas}
         sessions = {m["server"]["session"] for m in metas}

@@ -7,7 +7,7 @@ import yaml
 from test_aggregate_verdict import make_demo_grid, run_aggregate
 
 from helpers import REPO
-from servegrid import figures, report
+from servegrid.reporting import document, figures
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def render_both(experiment, cells, tmp_path):  # type: ignore[no-untyped-def]
             requests_path=str(tmp_path / "requests.parquet"),
         )
         html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
-        report.render(
+        document.render(
             experiment,
             lang,
             summary_path=str(tmp_path / "summary.parquet"),

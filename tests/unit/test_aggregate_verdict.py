@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 
 from helpers import synthetic_cell, with_changes
-from servegrid import aggregate, per_request, verdict
+from servegrid.analysis import aggregation, verdict
 from servegrid.config import Experiment
+from servegrid.records import per_request
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def make_demo_grid(demo_raw, tmp_path):  # type: ignore[no-untyped-def]
 def run_aggregate(experiment, cells, tmp_path):
     names = ("requests", "summary", "servers", "comparisons", "verdict", "crossovers", "production")
     out = {k: str(tmp_path / f"{k}.parquet") for k in names}
-    aggregate.aggregate(
+    aggregation.aggregate(
         experiment, cells, out["requests"], out["summary"], out["servers"], out["comparisons"],
         verdict_out=out["verdict"], crossovers_out=out["crossovers"], production_out=out["production"],
     )  # fmt: skip
@@ -233,9 +234,9 @@ def test_requests_queued_while_the_cells_live_tokens_exceed_the_pool_are_kv_limi
     missed the peak usage (a demo cell: 69% sampled, 4 x 2,618 tokens asked of 9,216)."""
     row = {"server_kv_cache_usage_perc_max": 0.69, "server_num_requests_waiting_capacity_max": 1.0,
            "server_preemptions": 0.0, "kv_cache_tokens": 9216, "peak_tokens_asked": 10472}  # fmt: skip
-    assert aggregate.kv_limited(row, concurrency=4)
-    assert not aggregate.kv_limited({**row, "server_num_requests_waiting_capacity_max": 0.0}, concurrency=4)
-    assert not aggregate.kv_limited({**row, "peak_tokens_asked": 4000}, concurrency=4)  # it fits: queued for else
+    assert aggregation.kv_limited(row, concurrency=4)
+    assert not aggregation.kv_limited({**row, "server_num_requests_waiting_capacity_max": 0.0}, concurrency=4)
+    assert not aggregation.kv_limited({**row, "peak_tokens_asked": 4000}, concurrency=4)  # it fits: queued for else
 
 
 def test_each_cell_is_resampled_once_with_a_seed_of_its_own_and_its_ratio_interval_covers_the_true_ratio():
@@ -261,21 +262,22 @@ def test_each_cell_is_resampled_once_with_a_seed_of_its_own_and_its_ratio_interv
 
 
 def test_the_run_summary_names_each_class_winner_the_invalid_cells_and_the_reports(demo_grid, tmp_path):
-    from servegrid import paths, run_summary
+    from servegrid import paths
+    from servegrid.reporting import terminal_summary
 
     experiment, cells = demo_grid
-    assert run_summary.text(experiment).startswith("servegrid: no tables yet")
+    assert terminal_summary.text(experiment).startswith("servegrid: no tables yet")
     bad = next(c for c in experiment.cells() if c.configuration == "ngram" and c.mode == "decode")
     synthetic_cell(tmp_path / bad.path, "ngram", "decode", 512, bad.concurrency, ttft_s=0.1, interval_s=0.002,
                    errors=2)  # fmt: skip
     Path(paths.SUMMARY_TABLE).parent.mkdir(parents=True)
-    aggregate.aggregate(
+    aggregation.aggregate(
         experiment, cells, paths.REQUESTS_TABLE, paths.SUMMARY_TABLE, paths.SERVERS_TABLE, paths.COMPARISONS_TABLE,
         verdict_out=paths.VERDICT_TABLE,
     )  # fmt: skip
     Path(paths.REPORT_PATTERN.format(lang="hu", ext="html")).parent.mkdir(parents=True)
     Path(paths.REPORT_PATTERN.format(lang="hu", ext="html")).write_text("<html></html>")
-    lines = run_summary.text(experiment).splitlines()
+    lines = terminal_summary.text(experiment).splitlines()
     assert lines[0].startswith("servegrid: 12 cells, 1 invalid, 0 imprecise")
     rows = {line[:26].strip(): line[26:].split() for line in lines[5:8]}
     assert rows["Decode, cold prompts"][:2] == ["wins", "ngram"]  # the other concurrency level still compares

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, synthetic_cell, with_changes
-from servegrid import aggregate, figure_list, figures, modes, report
+from servegrid import modes
+from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.modes.base import N_, FigureSpec, Mode, Primary
+from servegrid.reporting import document, figure_files, figures
 
 PACKAGE = REPO / "workflow" / "servegrid"
 
@@ -45,7 +47,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 assert not node.level, f"{path}: relative import (the package imports absolutely)"
                 base = node.module or ""
-                # "from servegrid import stats" imports the module servegrid.stats
+                # "from servegrid import stats" imports the module servegrid.stats.intervals
                 targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
             else:
                 continue
@@ -82,14 +84,14 @@ LIGHT = [
     "servegrid.modes",
     "servegrid.engines",
     "servegrid.engines.vllm",
-    "servegrid.records",
-    "servegrid.aggregate",
-    "servegrid.verdict",
-    "servegrid.figure_list",
-    "servegrid.metrics",
-    "servegrid.state",
-    "servegrid.server",
-    "servegrid.supervisor",
+    "servegrid.records.cell_file",
+    "servegrid.analysis.aggregation",
+    "servegrid.analysis.verdict",
+    "servegrid.reporting.figure_files",
+    "servegrid.engines.metrics",
+    "servegrid.serving.state",
+    "servegrid.serving.server",
+    "servegrid.serving.supervisor",
     "servegrid.errors",
 ]
 HEAVY = ["aiohttp", "seaborn", "matplotlib", "weasyprint", "servegrid.testing"]
@@ -182,7 +184,7 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
                        ttft_s=0.05, interval_s=speeds[cell.configuration], output_tokens=16)  # fmt: skip
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("requests", "summary", "servers", "comparisons", "verdict",
                                                         "crossovers", "production")}  # fmt: skip
-    summary = aggregate.aggregate(
+    summary = aggregation.aggregate(
         experiment, [c.path for c in experiment.cells()], out["requests"], out["summary"], out["servers"],
         out["comparisons"], verdict_out=out["verdict"], crossovers_out=out["crossovers"],
         production_out=out["production"],
@@ -193,13 +195,13 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
 
     verdict = pd.read_parquet(out["verdict"]).set_index("class_id")
     assert verdict.loc["decode_short", "outcome"] == "win" and verdict.loc["decode_short", "winner"] == "ngram"
-    names = [spec.name for _, spec in figure_list.figure_specs(experiment)]
+    names = [spec.name for _, spec in figure_files.figure_specs(experiment)]
     assert "decode_short_tps" in names
     figures_dir = tmp_path / "figures"
     figures.draw_all(experiment, out["summary"], out["comparisons"], figures_dir, "pt", requests_path=out["requests"])
     assert (figures_dir / "decode_short_tps.png").stat().st_size > 1000
     html = tmp_path / "r.html"
-    report.render(experiment, "pt", out["summary"], out["comparisons"], out["servers"], figures_dir, str(html),
+    document.render(experiment, "pt", out["summary"], out["comparisons"], out["servers"], figures_dir, str(html),
                   str(tmp_path / "r.pdf"), out["verdict"], out["crossovers"], out["production"])  # fmt: skip
     text = html.read_text(encoding="utf-8")
     assert '<section id="decode-short">' in text

@@ -14,10 +14,11 @@ import time
 import pandas as pd
 import pytest
 
-from servegrid import aggregate, hostinfo, procs
-from servegrid.cell import run_cell
+from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import CellError, ServerError
+from servegrid.pipeline.cell_job import run_cell
+from servegrid.serving import hostinfo, procs
 
 
 def calibration_experiment() -> Experiment:
@@ -60,7 +61,7 @@ def summary_of(sandbox, tmp_path):  # type: ignore[no-untyped-def]
         (cell,) = [c for c in experiment.cells(configuration) if c.mode == mode]
         run_cell(experiment, cell, cell.path, owner=owner, runtime=sandbox)
         out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-        aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
+        aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
         return pd.read_parquet(out["s"]).iloc[0]
 
     return measure
@@ -131,8 +132,8 @@ def test_a_cell_longer_than_the_servers_context_limit_fails_before_measuring(san
 def test_a_server_that_hangs_mid_cell_fails_the_cell_at_a_deadline_from_its_work_and_is_not_reused(sandbox):
     """Health stays 200 while the stream stops: the cell fails after 10 × its warm-up × its sessions
     (floored at operations.stall_floor_s), not after request_timeout_s, and its server is stopped."""
-    from servegrid import server
     from servegrid.errors import CellStalled
+    from servegrid.serving import server
 
     raw = calibration_experiment().raw
     # Requests 1 and 2 are the server's and the cell's warm-ups; the first measured one stalls.
@@ -164,7 +165,7 @@ def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
     # every repeat primes its own fresh prefix: each finds the prefix cached, none finds another's
     assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] == pytest.approx(256 / 272)
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-    aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
+    aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
     row = pd.read_parquet(out["s"]).iloc[0]
     assert row["n_repeats"] == 3 and row["primary_n"] == 18  # 6 a repeat: each repeat's median is reported
     assert row["primary_p50_repeat_min"] <= row["primary_p50"] <= row["primary_p50_repeat_max"]
@@ -179,7 +180,7 @@ def _decode_cell(sandbox, tmp_path, concurrency: int = 4):  # type: ignore[no-un
     (cell,) = experiment.cells("honest")
     run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-    aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
+    aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
     return pd.read_parquet(out["s"]).iloc[0], pd.read_parquet(out["r"])
 
 
@@ -194,7 +195,7 @@ def test_a_calm_client_is_not_flagged(sandbox, tmp_path):
 def test_slipped_sends_are_flagged(sandbox, tmp_path, monkeypatch):
     import asyncio
 
-    from servegrid.client import Streamer
+    from servegrid.measuring.client import Streamer
 
     original = Streamer.stream
 
@@ -214,7 +215,7 @@ def test_slipped_sends_are_flagged(sandbox, tmp_path, monkeypatch):
 def test_an_overloaded_client_is_flagged(sandbox, tmp_path, monkeypatch):
     import time
 
-    from servegrid.client import StampingResponseHandler
+    from servegrid.measuring.client import StampingResponseHandler
 
     original = StampingResponseHandler.data_received
 
@@ -232,7 +233,7 @@ def test_an_overloaded_client_is_flagged(sandbox, tmp_path, monkeypatch):
 
 
 def test_client_and_server_cpus_confine_each_side(sandbox, tmp_path):
-    from servegrid import server
+    from servegrid.serving import server
 
     allowed = sorted(os.sched_getaffinity(0))
     server_cpu, client_cpu = allowed[0], allowed[-1]

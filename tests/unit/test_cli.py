@@ -7,7 +7,7 @@ from importlib import metadata
 import pytest
 
 from helpers import REPO
-from servegrid import cli
+from servegrid.pipeline import cli
 
 DEMO = str(REPO / "config" / "cpu-demo.yaml")
 

@@ -8,7 +8,7 @@ import gc
 import httpx
 import pytest
 
-from servegrid.client import (
+from servegrid.measuring.client import (
     StartPacer,
     Streamer,
     decode_into,
@@ -16,8 +16,8 @@ from servegrid.client import (
     sse_events,
     streaming_session,
 )
-from servegrid.client_monitor import CollectorPause
-from servegrid.request_record import RequestRecord
+from servegrid.measuring.client_monitor import CollectorPause
+from servegrid.records.request import RequestRecord
 from servegrid.testing.calibration import Script
 
 EVENTS = [b'data: {"a": 1}\n\n', b'data: {"b": 2}\r\n\r\n', b": keep-alive comment\n\n", b"data: [DONE]\n\n"]

@@ -1,4 +1,4 @@
-"""What a configuration's Slurm job asks for (servegrid.cluster, profiles/slurm), without a Slurm: the numbers
+"""What a configuration's Slurm job asks for (servegrid.pipeline.slurm, profiles/slurm), without a Slurm: the numbers
 from the config, and Snakemake's dry run of the profile grouping each configuration into one job.
 
 The same profile on a real Slurm runs in tests/slurm/test_slurm_pipeline.py.
@@ -11,15 +11,15 @@ import re
 import pytest
 
 from helpers import copy_workflow, snakemake, with_changes
-from servegrid import cluster
 from servegrid.config import Experiment
+from servegrid.pipeline import slurm
 
 
 def test_a_sequential_cell_books_its_measuring_ceiling_its_warm_up_and_its_overhead(demo_raw):
     demo = Experiment(demo_raw)
     cell = demo.cell("ngram", "decode", 512, 4)  # max_duration_s 4 (the mode's own), one warm-up request
     timeout = demo.operations.request_timeout_s
-    assert cluster.cell_time_limit_s(demo, cell) == pytest.approx(1.25 * 4 + timeout + cluster.CELL_OVERHEAD_S)
+    assert slurm.cell_time_limit_s(demo, cell) == pytest.approx(1.25 * 4 + timeout + slurm.CELL_OVERHEAD_S)
 
 
 def test_a_fixed_count_cell_books_every_request_at_its_timeout(demo_raw):
@@ -28,15 +28,15 @@ def test_a_fixed_count_cell_books_every_request_at_its_timeout(demo_raw):
                                    "requests_per_session": 3, "warmup_requests": 0}}  # fmt: skip
     fixed = Experiment(raw)
     (cell, *_) = fixed.cells("ngram")
-    assert cluster.cell_time_limit_s(fixed, cell) == 3 * fixed.operations.request_timeout_s + cluster.CELL_OVERHEAD_S
-    assert cluster.minutes(cluster.cell_time_limit_s(fixed, cell)) == 16  # 960 s, rounded up to whole minutes
+    assert slurm.cell_time_limit_s(fixed, cell) == 3 * fixed.operations.request_timeout_s + slurm.CELL_OVERHEAD_S
+    assert slurm.minutes(slurm.cell_time_limit_s(fixed, cell)) == 16  # 960 s, rounded up to whole minutes
 
 
 def test_a_job_asks_for_the_configurations_devices_by_count(seed_raw, demo_raw):
     seed, demo = Experiment(seed_raw), Experiment(demo_raw)
-    assert [cluster.gpus(seed, name) for name in seed.configurations] == [1, 1]
-    assert cluster.cpus_per_task(demo, "ngram") == 2  # the server's core and the client's
-    assert cluster.cpus_per_task(seed, "mtp") == 1  # neither pinned: at least one
+    assert [slurm.gpus(seed, name) for name in seed.configurations] == [1, 1]
+    assert slurm.cpus_per_task(demo, "ngram") == 2  # the server's core and the client's
+    assert slurm.cpus_per_task(seed, "mtp") == 1  # neither pinned: at least one
 
 
 def test_the_slurm_profile_makes_each_configuration_one_job(tmp_path_factory):

@@ -6,7 +6,8 @@ import pytest
 from test_aggregate_verdict import decode_only, run_aggregate
 
 from helpers import REPO, synthetic_cell
-from servegrid import cli, compare
+from servegrid.pipeline import cli
+from servegrid.reporting import run_comparison
 
 
 def _run(folder, experiment, ngram_interval_s: float):  # type: ignore[no-untyped-def]
@@ -25,7 +26,7 @@ def test_a_changed_configuration_moves_and_the_other_does_not(tmp_path, demo_raw
     experiment = decode_only(demo_raw)
     _run(tmp_path / "old", experiment, ngram_interval_s=0.002)
     _run(tmp_path / "new", experiment, ngram_interval_s=0.0025)  # ngram 20% slower per token
-    frame = compare.compare_runs(tmp_path / "old", tmp_path / "new").set_index("configuration")
+    frame = run_comparison.compare_runs(tmp_path / "old", tmp_path / "new").set_index("configuration")
     assert list(frame.index) == ["prefix_cache", "ngram"]
     ngram, same = frame.loc["ngram"], frame.loc["prefix_cache"]
     assert ngram["moved"] and ngram["direction"] == "worse"  # decode speed down: worse
@@ -55,4 +56,4 @@ def test_runs_without_tables_fail_naming_the_folder(tmp_path):
     from servegrid.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"nothing: no summary\.parquet and requests\.parquet to compare"):
-        compare.compare_runs(tmp_path / "nothing", tmp_path / "nothing")
+        run_comparison.compare_runs(tmp_path / "nothing", tmp_path / "nothing")

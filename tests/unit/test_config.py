@@ -7,7 +7,8 @@ import re
 import pytest
 
 from helpers import with_changes
-from servegrid.config import ConfigError, Experiment
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError
 
 
 def test_both_shipped_configs_are_valid(seed_raw, demo_raw):

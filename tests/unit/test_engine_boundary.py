@@ -19,11 +19,13 @@ import httpx
 import pandas as pd
 import pytest
 
-from servegrid import engines, procs, records, server
-from servegrid.cell import run_cell
+from servegrid import engines
 from servegrid.config import Experiment
 from servegrid.engines import Engine, StartupFacts
 from servegrid.engines.vllm import VLLMEngine
+from servegrid.pipeline.cell_job import run_cell
+from servegrid.records import cell_file
+from servegrid.serving import procs, server
 from servegrid.testing import calibration as calibration_server
 from servegrid.testing import dialect as calibration_dialect
 from servegrid.testing.calibration import Script
@@ -69,7 +71,7 @@ def measure(sandbox, monkeypatch):  # type: ignore[no-untyped-def]
     def run(configuration: str, mode: str) -> tuple[pd.DataFrame, dict]:
         (cell,) = [c for c in experiment.cells(configuration) if c.mode == mode]
         returned = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
-        table, meta = records.read_cell(cell.path)
+        table, meta = cell_file.read_cell(cell.path)
         assert meta == json.loads(json.dumps(returned))
         frame = table.to_pandas()
         return frame[frame["phase"] == "measured"], meta

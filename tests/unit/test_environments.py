@@ -48,7 +48,7 @@ def test_the_conda_spec_holds_every_package_the_jobs_import_at_pyprojects_versio
 def test_the_gateway_is_pinned_exactly_with_hashes_and_never_to_a_compromised_release():
     """envs/litellm.txt pins one exact version; the lock has that version and a hash for every package; the
     demo's proxy.version names it; 1.82.7 and 1.82.8 (malicious uploads) appear nowhere."""
-    from servegrid.checks import COMPROMISED_LITELLM
+    from servegrid.config.checks import COMPROMISED_LITELLM
 
     spec = [line for line in (REPO / "envs" / "litellm.txt").read_text().splitlines() if line and line[0] != "#"]
     assert len(spec) == 1 and re.fullmatch(r"litellm\[proxy\]==\d+\.\d+\.\d+", spec[0]), spec

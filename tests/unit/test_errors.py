@@ -33,7 +33,8 @@ def test_guarded_turns_a_servegrid_error_into_one_line_and_an_exit_code(capsys):
 
 
 def cli(*args: str, cwd) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
-    return subprocess.run([sys.executable, "-m", "servegrid.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "servegrid.pipeline.cli", *args], capture_output=True, text=True,
+                          cwd=cwd,
                           timeout=120)  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import pytest
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
 from helpers import REPO
-from servegrid import export
+from servegrid.reporting import interchange
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
@@ -23,7 +23,7 @@ def test_each_cell_reads_as_a_vllm_bench_result_in_upstreams_own_reader(demo_gri
     experiment, cells = demo_grid
     tables = run_aggregate(experiment, cells, tmp_path)
     out = tmp_path / "vllm-bench"
-    export.write_bench_results(tables["requests"], tables["summary"], "tiny-qwen3", out)
+    interchange.write_bench_results(tables["requests"], tables["summary"], "tiny-qwen3", out)
     reader = REPO / "tests" / "helpers" / "read_bench_results.py"
     result = subprocess.run([str(VLLM_PYTHON), str(reader), str(out), str(tmp_path / "figures")], capture_output=True,
                             text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
@@ -52,7 +52,7 @@ def test_each_cell_reads_as_a_vllm_bench_result_in_upstreams_own_reader(demo_gri
 def test_the_tables_as_csv_keep_every_column_and_the_chunk_lists(demo_grid, tmp_path):  # noqa: F811
     experiment, cells = demo_grid
     tables = run_aggregate(experiment, cells, tmp_path)
-    export.write_csv(tables["requests"], tmp_path / "requests.csv")
+    interchange.write_csv(tables["requests"], tmp_path / "requests.csv")
     back = pd.read_csv(tmp_path / "requests.csv")
     assert list(back.columns) == list(tables["requests"].columns)
     first = tables["requests"].iloc[0]

@@ -12,10 +12,14 @@ import pandas as pd
 import pytest
 
 from helpers import with_changes
-from servegrid import gateway, gateway_cost, measurement, records
-from servegrid.client import decode_counted_by_chunk, decode_into
-from servegrid.config import ConfigError, Experiment
-from servegrid.request_record import RequestRecord
+from servegrid.analysis import gateway_cost
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError
+from servegrid.measuring import measured_phase
+from servegrid.measuring.client import decode_counted_by_chunk, decode_into
+from servegrid.records import cell_file
+from servegrid.records.request import RequestRecord
+from servegrid.serving import gateway
 
 PROXY = {"version": "1.106.12"}
 
@@ -125,9 +129,9 @@ def test_fewer_chunks_than_tokens_are_spread_and_flagged():
 
 
 def test_routes_alternate_between_repeats():
-    routes = [measurement.Route("direct", "u", "m"), measurement.Route("proxy", "g", "c")]
-    assert [r.name for r in measurement.route_order(routes, 0)] == ["direct", "proxy"]
-    assert [r.name for r in measurement.route_order(routes, 1)] == ["proxy", "direct"]
+    routes = [measured_phase.Route("direct", "u", "m"), measured_phase.Route("proxy", "g", "c")]
+    assert [r.name for r in measured_phase.route_order(routes, 0)] == ["direct", "proxy"]
+    assert [r.name for r in measured_phase.route_order(routes, 1)] == ["proxy", "direct"]
 
 
 def test_request_ids_stay_unique_across_routes():
@@ -135,7 +139,7 @@ def test_request_ids_stay_unique_across_routes():
         r = RequestRecord("measured-s0-r0-t1", 0, 0, "measured", 1, 8, 8, route=route)
         return r
 
-    ids = records.rows([record("direct"), record("proxy")])["request_id"]
+    ids = cell_file.rows([record("direct"), record("proxy")])["request_id"]
     assert ids == ["r0-measured-s0-r0-t1", "r0-proxy-measured-s0-r0-t1"]  # direct ids as before routes
 
 
@@ -173,7 +177,8 @@ def test_a_changed_verdict_is_flagged():
 
 
 def test_the_run_summary_says_what_the_gateway_added(demo_raw, tmp_path, monkeypatch):
-    from servegrid import paths, run_summary
+    from servegrid import paths
+    from servegrid.reporting import terminal_summary
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "results" / "tables").mkdir(parents=True)
@@ -184,7 +189,7 @@ def test_the_run_summary_says_what_the_gateway_added(demo_raw, tmp_path, monkeyp
     pd.DataFrame(rows).to_parquet(paths.GATEWAY_TABLE)
     changes = pd.DataFrame([{"class_id": "decode", "changed": True}, {"class_id": "single_turn", "changed": False}])
     changes.to_parquet(paths.GATEWAY_VERDICT_TABLE)
-    lines = run_summary._gateway_lines(proxied(demo_raw))
+    lines = terminal_summary._gateway_lines(proxied(demo_raw))
     assert "  TTFT: 1 x: +60.0 ms [+50.0, +70.0]; 4 x: +250.0 ms [+250.0, +250.0]" in lines
     assert lines[-1] == "  verdict changed through it: Decode, cold prompts"
-    assert run_summary._gateway_lines(Experiment(demo_raw)) == []  # a direct run says nothing of it
+    assert terminal_summary._gateway_lines(Experiment(demo_raw)) == []  # a direct run says nothing of it

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import REPO
-from servegrid import engines, metrics
+from servegrid import engines
+from servegrid.engines import metrics
 
 DATA = REPO / "tests" / "data"
 

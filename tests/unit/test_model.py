@@ -7,13 +7,13 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from servegrid import model
+from servegrid.serving import tiny_model
 
 
 def test_build_is_byte_identical_and_complete(tmp_path):
-    spec = model.TinyModelSpec(corpus_sentences=2000)
-    first = model.build(tmp_path / "a", spec)
-    second = model.build(tmp_path / "b", spec)
+    spec = tiny_model.TinyModelSpec(corpus_sentences=2000)
+    first = tiny_model.build(tmp_path / "a", spec)
+    second = tiny_model.build(tmp_path / "b", spec)
     assert first == second
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / "a" / name).is_file()
@@ -22,7 +22,7 @@ def test_build_is_byte_identical_and_complete(tmp_path):
 
 
 def test_config_and_tokenizer_agree(tmp_path):
-    model.build(tmp_path / "m", model.TinyModelSpec(corpus_sentences=2000))
+    tiny_model.build(tmp_path / "m", tiny_model.TinyModelSpec(corpus_sentences=2000))
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     tokenizer = Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
     assert config["architectures"] == ["Qwen3ForCausalLM"]
@@ -35,9 +35,9 @@ def test_config_and_tokenizer_agree(tmp_path):
 
 def test_rebuild_replaces_the_folder(tmp_path):
     target = tmp_path / "m"
-    model.build(target, model.TinyModelSpec(corpus_sentences=2000))
+    tiny_model.build(target, tiny_model.TinyModelSpec(corpus_sentences=2000))
     (target / "stale.txt").write_text("old")
-    model.build(target, model.TinyModelSpec(corpus_sentences=2000))
+    tiny_model.build(target, tiny_model.TinyModelSpec(corpus_sentences=2000))
     assert not (target / "stale.txt").exists()
 
 
@@ -50,9 +50,9 @@ def test_a_folder_servegrid_did_not_build_is_never_replaced(tmp_path, demo_raw):
     real.mkdir()
     (real / "model.safetensors").write_bytes(b"weights")
     with pytest.raises(ConfigError, match=r"model\.path: .*my-model exists and is not a tiny model servegrid built"):
-        model.build(real, model.TinyModelSpec(corpus_sentences=2000))
+        tiny_model.build(real, tiny_model.TinyModelSpec(corpus_sentences=2000))
     assert (real / "model.safetensors").read_bytes() == b"weights"
     with pytest.raises(ConfigError, match=r"model\.path: .*my-model exists"):  # refused before anything runs
         Experiment(with_changes(demo_raw, **{"model.path": str(real)}))
     (tmp_path / "empty").mkdir()
-    model.build(tmp_path / "empty", model.TinyModelSpec(corpus_sentences=2000))  # an empty folder is fine
+    tiny_model.build(tmp_path / "empty", tiny_model.TinyModelSpec(corpus_sentences=2000))  # an empty folder is fine

@@ -8,9 +8,11 @@ import pandas as pd
 import pytest
 
 from helpers import synthetic_cell, with_changes
-from servegrid import aggregate, figure_list, figures, modes
+from servegrid import modes
+from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
+from servegrid.reporting import figure_files, figures
 
 # Decode tokens/s per session follow from the interval between tokens: smaller is faster.
 INTERVALS = {"a": 0.010, "b": 0.005, "c": 0.004, "d": 0.0098, "e": 0.020, "f": 0.006, "g": 0.007, "h": 0.008}
@@ -36,7 +38,7 @@ def measured(tmp_path, experiment: Experiment, skip: set[tuple[str, int]] = froz
                        interval_s=interval, requests=30, hit_rate=0.0, interval_spread=0.05)  # fmt: skip
         paths.append(str(path))
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregate.aggregate(
+    aggregation.aggregate(
         experiment, paths, out["r"], out["s"], out["v"], out["c"], out["verdict"], out["cross"], out["prod"]
     )
     return {k: pd.read_parquet(v) for k, v in out.items()}
@@ -122,7 +124,7 @@ def test_figures_render_for_one_and_for_five_configurations(demo_raw, tmp_path, 
     measured(tmp_path, experiment)
     written = figures.draw_all(experiment, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"),
                                tmp_path / "figures", "pt", requests_path=str(tmp_path / "r.parquet"))  # fmt: skip
-    assert len(written) == len(figure_list.figure_paths(experiment, "x"))
+    assert len(written) == len(figure_files.figure_paths(experiment, "x"))
     assert all(path.stat().st_size > 5_000 for path in written)
 
 
@@ -143,7 +145,7 @@ def test_multi_turn_figures_draw_each_of_five_configurations_with_its_own_line_a
                        ttft_s=0.1 * (1 + names.index(cell.configuration)), interval_s=0.005, hit_rate=0.7)  # fmt: skip
         paths.append(str(path))
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregate.aggregate(experiment, paths, *out.values())
+    aggregation.aggregate(experiment, paths, *out.values())
     painter = figures.Painter(experiment, pd.read_parquet(out["s"]), pd.read_parquet(out["c"]), str, "pt", "pt",
                               pd.read_parquet(out["r"]))  # fmt: skip
     labels = [f"config {n}" for n in names]
@@ -171,7 +173,7 @@ def test_the_printed_report_fits_the_page_with_eight_long_labels(demo_raw, tmp_p
     empty."""
     from test_report_rendering import page_problems
 
-    from servegrid import report
+    from servegrid.reporting import document
 
     monkeypatch.chdir(tmp_path)
     names = list("abcdefgh")
@@ -195,13 +197,13 @@ def test_the_printed_report_fits_the_page_with_eight_long_labels(demo_raw, tmp_p
                        **extra)  # fmt: skip
         paths.append(str(tmp_path / cell.path))
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregate.aggregate(experiment, paths, *out.values())
+    aggregation.aggregate(experiment, paths, *out.values())
     figures.draw_all(experiment, out["s"], out["c"], tmp_path / "figures", lang, requests_path=out["r"])
     pdf, html = tmp_path / "report.pdf", tmp_path / "report.html"
-    report.render(experiment, lang, out["s"], out["c"], out["v"], tmp_path / "figures", str(html), str(pdf),
+    document.render(experiment, lang, out["s"], out["c"], out["v"], tmp_path / "figures", str(html), str(pdf),
                   verdict_path=out["verdict"], crossovers_path=out["cross"], production_path=out["prod"])  # fmt: skip
     text = html.read_text(encoding="utf-8")
-    assert text.count('src="data:image/png;base64,') == len(figure_list.figure_specs(experiment))  # every figure
+    assert text.count('src="data:image/png;base64,') == len(figure_files.figure_specs(experiment))  # every figure
     # A key above each table with a column per configuration: 4 modes' tables (2 in single-turn), 3 production,
     # 3 attainment; the setup table numbers the configurations too.
     assert text.count('<p class="key">') == 3 + 1 + 3 + 3
@@ -233,7 +235,7 @@ def test_the_baseline_must_be_a_configuration(demo_raw):
 
 
 def test_a_cell_too_small_for_a_median_is_marked_on_the_axis_not_drawn(demo_raw, tmp_path, monkeypatch):
-    """A cell with fewer than 6 samples has no median (servegrid.sampling): no point on its line, a hollow
+    """A cell with fewer than 6 samples has no median (servegrid.stats.sampling): no point on its line, a hollow
     marker of its configuration at the foot of the panel, and "n too small" once in the legend."""
     monkeypatch.chdir(tmp_path)
     raw = with_changes(demo_raw)
@@ -249,7 +251,7 @@ def test_a_cell_too_small_for_a_median_is_marked_on_the_axis_not_drawn(demo_raw,
                        requests=4 if few else 6, ttft_s=0.1, interval_s=0.005, hit_rate=0.7)  # fmt: skip
         paths.append(str(path))
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregate.aggregate(experiment, paths, *out.values())
+    aggregation.aggregate(experiment, paths, *out.values())
     summary = pd.read_parquet(out["s"])
     assert pd.isna(summary.set_index("cell_id").loc["a/multi_turn/ctx1024_c1", "primary_p50"])  # 4 samples
     painter = figures.Painter(experiment, summary, pd.read_parquet(out["c"]), str, "pt", "pt",

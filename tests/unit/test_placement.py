@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import copy_workflow, snakemake, write_yaml
-from servegrid import placement, server
 from servegrid.config import Experiment
 from servegrid.errors import ServerError
-from servegrid.records import METADATA_KEY
+from servegrid.records.cell_file import METADATA_KEY
+from servegrid.serving import placement, server
 
 
 def test_each_configuration_gets_its_own_gpus(seed_raw):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servegrid.prompts import PromptBuilder
+from servegrid.modes.prompts import PromptBuilder
 from servegrid.testing.calibration import Vocabulary
 
 VOCAB = Vocabulary()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from helpers import synthetic_cell
-from servegrid import records
 from servegrid.errors import CellFileError
+from servegrid.records import cell_file
 
 
 def test_a_flipped_byte_anywhere_in_the_data_is_an_error_naming_the_file(tmp_path):
     path = tmp_path / "cell.parquet"
     synthetic_cell(path, "a", "decode", 512, 2, ttft_s=0.1, interval_s=0.01, requests=200, output_tokens=64)
-    table, _ = records.read_cell(path)
+    table, _ = cell_file.read_cell(path)
     original = path.read_bytes()
     footer = int.from_bytes(original[-8:-4], "little") + 8  # the metadata and its length, at the end
     data_end = len(original) - footer
@@ -21,7 +21,7 @@ def test_a_flipped_byte_anywhere_in_the_data_is_an_error_naming_the_file(tmp_pat
         damaged[offset] ^= 0x10
         path.write_bytes(bytes(damaged))
         try:
-            read, _ = records.read_cell(path)
+            read, _ = cell_file.read_cell(path)
         except CellFileError as exc:
             assert str(path) in str(exc)
             continue
@@ -32,7 +32,7 @@ def test_a_file_that_is_not_a_cell_file_is_named(tmp_path):
     path = tmp_path / "x.parquet"
     path.write_bytes(b"PAR1 not really")
     with pytest.raises(CellFileError, match=r"x\.parquet"):
-        records.read_cell(path)
+        cell_file.read_cell(path)
 
 
 def test_a_cell_that_cannot_be_written_is_an_error_naming_it_and_leaves_nothing(tmp_path):

@@ -13,11 +13,12 @@ from babel.numbers import format_percent
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
 from helpers import with_changes
-from servegrid import catalogues, figure_list, figures, figures_run, languages, modes, report
+from servegrid import languages, modes
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, ReportError
 from servegrid.languages import LOCALES
-from servegrid.report import TEMPLATES
+from servegrid.reporting import catalogues, document, figure_files, figures, run_figures
+from servegrid.reporting.document import TEMPLATES
 
 
 def test_both_languages_render_with_their_own_words_and_number_formats(rendered):
@@ -75,7 +76,7 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
 
 def test_html_is_self_contained_with_every_figure(rendered):
     experiment, out = rendered
-    expected = len(figure_list.figure_specs(experiment))
+    expected = len(figure_files.figure_specs(experiment))
     assert expected == 9  # decode 2, single-turn 2, multi-turn 2, the heatmap, the CDFs, goodput (objectives set)
     for html, _pdf in out.values():
         assert html.count('src="data:image/png;base64,') == expected
@@ -98,7 +99,7 @@ def test_catalogues_translate_every_template_message():
         )
     }
     # Words in Python: the figures' own, and every mode's and run figure's (marked N_), as report/babel.cfg says.
-    sources = [Path(figures.__file__), Path(figures_run.__file__), Path(figure_list.__file__),
+    sources = [Path(figures.__file__), Path(run_figures.__file__), Path(figure_files.__file__),
                *sorted(Path(modes.__file__).parent.glob("*.py"))]  # fmt: skip
     for path in sources:
         with path.open("rb") as source:
@@ -141,7 +142,7 @@ def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo
     """Both configurations' multi-turn cells at 4 sessions ran into the KV capacity (preemptions): the verdict's
     KV row says neither, with the servers' pool and the most tokens those cells held at once (the seed's third
     row and its explanation)."""
-    from servegrid.report_data import ReportData
+    from servegrid.reporting.report_contents import ReportData
 
     experiment, cells = demo_grid
     tables = with_a_kv_limited_corner(experiment, cells, tmp_path)
@@ -150,7 +151,9 @@ def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo
     data = ReportData(experiment, tables["summary"], tables["comparisons"], tables["servers"],
                       verdict=tables["verdict"], crossovers=tables["crossovers"],
                       production=tables["production"])  # fmt: skip
-    html = report.render_html(experiment, "pt", data, tmp_path / "no-figures", "screen", report.provenance(experiment))
+    html = document.render_html(
+        experiment, "pt", data, tmp_path / "no-figures", "screen", document.provenance(experiment)
+    )
     verdict = html.split('id="verdict"')[1].split("</section>")[0]
     asked = tables["summary"].query("kv_limited")["peak_tokens_asked"].max()
     assert asked == 4 * (1024 + 32)  # sessions × the longest request (the synthetic cells' prompt and output)
@@ -163,21 +166,21 @@ def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo
 def test_a_large_grids_pdf_lists_only_the_cells_that_need_a_look(demo_grid, tmp_path, monkeypatch):  # noqa: F811
     """Over PRINT_EVERY_CELL_UP_TO cells the printed details keep the cells that need a look (here the
     KV-limited corner) and say where the rest are; the HTML's details keep every cell."""
-    from servegrid import report_data
+    from servegrid.reporting import report_contents
 
     experiment, cells = demo_grid
     tables = with_a_kv_limited_corner(experiment, cells, tmp_path)
     summary = tables["summary"]
     flagged = set(summary.loc[summary["kv_limited"], "cell_id"])
     assert flagged and len(flagged) < len(summary)
-    monkeypatch.setattr(report_data, "PRINT_EVERY_CELL_UP_TO", len(summary) - 1)
+    monkeypatch.setattr(report_contents, "PRINT_EVERY_CELL_UP_TO", len(summary) - 1)
 
     def details(medium: str) -> str:
-        data = report_data.ReportData(experiment, summary, tables["comparisons"], tables["servers"],
+        data = report_contents.ReportData(experiment, summary, tables["comparisons"], tables["servers"],
                                       verdict=tables["verdict"], crossovers=tables["crossovers"],
                                       production=tables["production"])  # fmt: skip
-        html = report.render_html(experiment, "pt", data, tmp_path / "no-figures", medium,
-                                  report.provenance(experiment))  # fmt: skip
+        html = document.render_html(experiment, "pt", data, tmp_path / "no-figures", medium,
+                                  document.provenance(experiment))  # fmt: skip
         return html.split('id="details"')[1].split("</section>")[0]
 
     def listed(section: str) -> set[str]:
@@ -197,11 +200,11 @@ def test_a_figure_of_one_panel_per_context_shows_at_most_six_and_says_which(demo
     from babel import Locale
 
     from servegrid.config import Experiment
-    from servegrid.report_data import ReportData
+    from servegrid.reporting.report_contents import ReportData
 
     portuguese = Locale.parse("pt_BR")
-    assert figure_list.shown_contexts(list(range(13))) == [0, 2, 5, 7, 10, 12]  # both ends, evenly between
-    assert figure_list.shown_contexts([256, 1024]) == [256, 1024]
+    assert figure_files.shown_contexts(list(range(13))) == [0, 2, 5, 7, 10, 12]  # both ends, evenly between
+    assert figure_files.shown_contexts([256, 1024]) == [256, 1024]
     experiment = Experiment(demo_raw)
     contexts = [256 * (i + 1) for i in range(13)]
     summary = pd.DataFrame({"mode": ["decode"] * 13, "context": contexts})
@@ -224,11 +227,11 @@ def test_the_html_report_needs_no_pdf_stack_and_a_missing_one_fails_the_pdf_alon
     tables = {f"{name}_path": str(tmp_path / f"{name}.parquet")
               for name in ("summary", "comparisons", "servers", "verdict", "crossovers", "production")}  # fmt: skip
     html = tmp_path / "only.html"
-    report.render(experiment, "pt", figures_dir=tmp_path / "no-figures", html_out=str(html), **tables)
+    document.render(experiment, "pt", figures_dir=tmp_path / "no-figures", html_out=str(html), **tables)
     assert "</html>" in html.read_text(encoding="utf-8")
     pdf = tmp_path / "only.pdf"
     with pytest.raises(ReportError, match=r"needs WeasyPrint .* set report\.formats: \[html\] to build it alone"):
-        report.render(experiment, "pt", figures_dir=tmp_path / "no-figures", pdf_out=str(pdf), **tables)
+        document.render(experiment, "pt", figures_dir=tmp_path / "no-figures", pdf_out=str(pdf), **tables)
     assert not pdf.exists()
 
 

@@ -112,7 +112,7 @@ def filled_share(page: Image.Image) -> float:
 
 
 def test_weasyprint_loads_every_resource(demo_grid, tmp_path, caplog):  # noqa: F811
-    from servegrid import figures, report
+    from servegrid.reporting import document, figures
 
     experiment, cells = demo_grid
     run_aggregate(experiment, cells, tmp_path)
@@ -120,7 +120,7 @@ def test_weasyprint_loads_every_resource(demo_grid, tmp_path, caplog):  # noqa: 
     figures.draw_all(experiment, str(tmp_path / "summary.parquet"), str(tmp_path / "comparisons.parquet"),
                      figures_dir, "pt", requests_path=str(tmp_path / "requests.parquet"))  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="weasyprint"):
-        report.render(
+        document.render(
             experiment, "pt", summary_path=str(tmp_path / "summary.parquet"),
             comparisons_path=str(tmp_path / "comparisons.parquet"), servers_path=str(tmp_path / "servers.parquet"),
             figures_dir=figures_dir, html_out=str(tmp_path / "r.html"), pdf_out=str(tmp_path / "r.pdf"),

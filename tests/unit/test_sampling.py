@@ -1,10 +1,10 @@
-"""Sequential sampling (servegrid.sampling): a cell that stops when its interval is narrow still reports an
+"""Sequential sampling (servegrid.stats.sampling): a cell that stops when its interval is narrow still reports an
 interval that covers the true median; the floor, the ceilings, the tails rule and the rule's validation.
 
 The coverage simulation judges each cell where the cell runner does, at the end of each stage
 (sampling.next_stage_rounds, then sampling.decide), on synthetic latencies, 1,000 cells per distribution,
 with fixed seeds. ``python tests/unit/test_sampling.py`` prints the table docs/sampling.md quotes, with the
-percentile bootstrap servegrid.stats uses for comparison; ``--scan`` prints its scan over sigma, judged at
+percentile bootstrap servegrid.stats.intervals uses for comparison; ``--scan`` prints its scan over sigma, judged at
 stage ends and, for comparison, after every round.
 """
 
@@ -20,9 +20,9 @@ import pytest
 from scipy import optimize
 from scipy import stats as sps
 
-from servegrid import sampling, stats
 from servegrid.errors import ConfigError
-from servegrid.sampling import MIN_SAMPLES_FOR, SamplingRule, decide, median_interval, tail_allowed
+from servegrid.stats import intervals, sampling
+from servegrid.stats.sampling import MIN_SAMPLES_FOR, SamplingRule, decide, median_interval, tail_allowed
 
 TRIALS = 1000
 RULE = SamplingRule(target_rel_ci=0.05, min_samples=10, max_samples=200, max_duration_s=math.inf)
@@ -348,9 +348,9 @@ def test_a_good_rule_is_accepted_and_frozen():
         rule.min_samples = 3  # type: ignore[misc]
 
 
-# ---- the comparison docs/sampling.md reports: servegrid.stats's percentile bootstrap under the same rule ----
+# ---- the comparison docs/sampling.md reports: stats.intervals' percentile bootstrap under the same rule ----
 
-RESAMPLES = stats.RESAMPLES
+RESAMPLES = intervals.RESAMPLES
 _resample_ranks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
@@ -379,7 +379,7 @@ def test_the_comparison_bootstrap_is_stats_median_ci():
         values = 0.2 * np.exp(0.5 * rng.standard_normal(n))
         ours = bootstrap_from_sorted(np.sort(values)[None, :], 0.95)
         assert ours is not None
-        low, high = stats.median_ci(values)
+        low, high = intervals.median_ci(values)
         assert low is not None and high is not None
         width = high - low
         assert abs(ours[1][0] - low) <= 0.15 * width and abs(ours[2][0] - high) <= 0.15 * width

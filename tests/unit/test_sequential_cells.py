@@ -14,10 +14,11 @@ import pandas as pd
 import pytest
 from test_cell_flags import calibration_experiment
 
-from servegrid import aggregate, procs
-from servegrid.cell import run_cell
+from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
+from servegrid.pipeline.cell_job import run_cell
+from servegrid.serving import procs
 
 RULE = {"target_rel_ci": 0.05, "min_samples": 8, "max_samples": 24, "max_duration_s": 60}
 
@@ -34,7 +35,7 @@ def measure(experiment: Experiment, sandbox, tmp_path) -> tuple[pd.Series, dict]
     (cell,) = experiment.cells("honest")
     meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-    aggregate.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
+    aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
     return pd.read_parquet(out["s"]).iloc[0], meta
 
 
@@ -133,8 +134,8 @@ def test_a_mode_may_sample_by_its_own_rule_and_a_fixed_count_stays_possible():
 
 def test_a_stage_plans_counts_only_its_running_time_and_stops_when_a_stage_adds_nothing():
     from servegrid import modes
-    from servegrid.sampling import SamplingRule
-    from servegrid.stages import StagePlan
+    from servegrid.modes.stages import StagePlan
+    from servegrid.stats.sampling import SamplingRule
 
     rule = SamplingRule(target_rel_ci=0.05, min_samples=8, max_samples=24, max_duration_s=10)
     plan = StagePlan(concurrency=2, primary=modes.get("decode").primary, rule=rule)
@@ -176,8 +177,8 @@ def test_progress_durations_read_as_people_write_them():
 def test_the_grid_line_counts_the_cells_and_estimates_from_the_last_ones_written(tmp_path, monkeypatch, demo_raw):
     from test_aggregate_verdict import decode_only
 
-    from servegrid import records
-    from servegrid.cell import grid_line
+    from servegrid.pipeline.cell_job import grid_line
+    from servegrid.records import cell_file
 
     monkeypatch.chdir(tmp_path)
     experiment = decode_only(demo_raw)
@@ -185,9 +186,9 @@ def test_the_grid_line_counts_the_cells_and_estimates_from_the_last_ones_written
     assert grid_line(experiment, first) == f"grid: 0 of 2 cells measured, starting {first.id}"
     timed = {"started_at": "2026-12-03T10:00:00.000+00:00", "ended_at": "2026-12-03T10:01:30.000+00:00"}
     # A file measured with other settings (before a config edit) is to be measured again: not counted.
-    records.write_cell(first.path, [], {**timed, "settings": {"other": "settings"}})
+    cell_file.write_cell(first.path, [], {**timed, "settings": {"other": "settings"}})
     assert grid_line(experiment, second) == f"grid: 0 of 2 cells measured, starting {second.id}"
-    records.write_cell(first.path, [], {**timed, "settings": experiment.cell_settings(first)})
+    cell_file.write_cell(first.path, [], {**timed, "settings": experiment.cell_settings(first)})
     assert grid_line(experiment, second) == (
         f"grid: 1 of 2 cells measured, starting {second.id}; about 1 min 30 s left (1 min 30 s a cell over the last 1)"
     )

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from helpers import fake_spec
-from servegrid import procs, server, state
 from servegrid.errors import ServerError
+from servegrid.serving import procs, server, state
 
 
 def _group_alive(pgid: int) -> list[int]:
@@ -392,7 +392,7 @@ def test_two_pipelines_never_share_a_gpu(sandbox, tmp_path):
 
 
 def test_a_claims_directory_that_is_not_the_users_alone_is_refused(tmp_path, monkeypatch):
-    from servegrid import hostlocks
+    from servegrid.serving import hostlocks
 
     shared = tmp_path / "claims"
     shared.mkdir(mode=0o777)

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 
 from helpers import with_changes
-from servegrid import slo
+from servegrid.analysis import slo
 from servegrid.config import Experiment
+from servegrid.config.sections import objectives
 from servegrid.errors import ConfigError
-from servegrid.sections import objectives
 
 
 def requests(ttft: list[float], tpot: list[float], errors: set[int] = frozenset()) -> pd.DataFrame:  # type: ignore[assignment]
@@ -69,7 +69,7 @@ def test_a_cell_meets_a_percentile_objective_when_that_share_of_requests_is_with
 
 
 def test_an_objective_is_not_judged_from_fewer_requests_than_its_percentile_needs():
-    """p90 from 30 requests, p95 from 60 (servegrid.sampling.MIN_SAMPLES_FOR): below, slo_met is None, while
+    """p90 from 30 requests, p95 from 60 (servegrid.stats.sampling.MIN_SAMPLES_FOR): below, slo_met is None, while
     the attainment (a share with its interval) is still reported."""
     frame = requests([0.1] * 29, [0.01] * 29)
     columns = slo.cell_columns(frame, objectives({"ttft_p90_s": 0.5}), 1.0)

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from helpers import REPO, with_changes
-from servegrid import verdict
+from servegrid.analysis import verdict
 from servegrid.config import Experiment
 
 SEED = yaml.safe_load((REPO / "tests" / "data" / "seed-findings.yaml").read_text())

@@ -4,13 +4,15 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from servegrid import cluster, paths, run_summary
-from servegrid import server as servers
+from servegrid import paths
+from servegrid.pipeline import slurm
+from servegrid.reporting import terminal_summary
+from servegrid.serving import server as servers
 from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ServegridError, ServerError
-from servegrid.figure_list import figure_paths
-from servegrid.procs import ProcessRef
-from servegrid.schema import read_yaml
+from servegrid.reporting.figure_files import figure_paths
+from servegrid.serving.procs import ProcessRef
+from servegrid.config.schema import read_yaml
 
 # Snakemake's YAML loader keeps the last of a key given twice, silently: read each file
 # again, strictly, so that a duplicated configuration fails naming its line.
@@ -105,7 +107,7 @@ def device_slots():
 
     Under profiles/slurm they also keep a configuration's cells one after another inside its
     group job, which is what makes Snakemake add up their runtime and count its GPUs once
-    (servegrid.cluster); and configurations that name a common GPU index (or no GPU) wait for
+    (servegrid.pipeline.slurm); and configurations that name a common GPU index (or no GPU) wait for
     each other there too, as on one host: distinct indices let Slurm run them side by side.
     """
 
@@ -124,7 +126,7 @@ def device_slots():
 
 def slurm_job(runtime_s, keeps_the_server=False):
     """What each job of a configuration's group asks Slurm for (only the Slurm executor reads these):
-    the configuration's GPUs and CPUs by count (servegrid.placement picks them inside the job) and this
+    the configuration's GPUs and CPUs by count (servegrid.serving.placement picks them inside the job) and this
     job's share of the group's time limit, ``runtime_s(wildcards)`` in seconds.
 
     ``keeps_the_server``: inside the group's allocation Snakemake's jobstep plugin (0.6.x) runs each job as
@@ -134,11 +136,11 @@ def slurm_job(runtime_s, keeps_the_server=False):
     the empty value asks for no MPI launcher and the submitting plugin ignores it
     (tests/slurm/test_slurm_pipeline.py: one server per configuration's job)."""
     resources = {
-        "gpu": lambda wildcards: cluster.gpus(EXPERIMENT, wildcards.configuration),
-        "cpus_per_task": lambda wildcards: cluster.cpus_per_task(
+        "gpu": lambda wildcards: slurm.gpus(EXPERIMENT, wildcards.configuration),
+        "cpus_per_task": lambda wildcards: slurm.cpus_per_task(
             EXPERIMENT, wildcards.configuration
         ),
-        "runtime": lambda wildcards: cluster.minutes(runtime_s(wildcards)),
+        "runtime": lambda wildcards: slurm.minutes(runtime_s(wildcards)),
     }
     if keeps_the_server:
         resources["mpi"] = ""
@@ -146,16 +148,16 @@ def slurm_job(runtime_s, keeps_the_server=False):
 
 
 def cell_runtime_s(wildcards):
-    return cluster.cell_time_limit_s(EXPERIMENT, cell_of(wildcards))
+    return slurm.cell_time_limit_s(EXPERIMENT, cell_of(wildcards))
 
 
 def startup_runtime_s(wildcards):
     # The first cell starts the server; its allowance is booked on the spec, the group's first job.
-    return EXPERIMENT.operations.startup_timeout_s + cluster.CELL_OVERHEAD_S
+    return EXPERIMENT.operations.startup_timeout_s + slurm.CELL_OVERHEAD_S
 
 
 def shutdown_runtime_s(wildcards):
-    return EXPERIMENT.operations.shutdown_timeout_s + cluster.CELL_OVERHEAD_S
+    return EXPERIMENT.operations.shutdown_timeout_s + slurm.CELL_OVERHEAD_S
 
 
 # Snakemake runs the highest priority ready job first: per configuration, its
@@ -182,7 +184,7 @@ def print_run_summary():
     """The verdict, the invalid cells and the report paths, as the run's last lines (servegrid summary)."""
     try:
         print()
-        print(run_summary.text(EXPERIMENT))
+        print(terminal_summary.text(EXPERIMENT))
     except (
         ServegridError,
         OSError,

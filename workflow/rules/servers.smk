@@ -1,7 +1,7 @@
 """Server specifications (cheap DAG nodes) and per-configuration teardown.
 
 A running server is never a DAG node: cells start or reuse it through
-servegrid.server, so its presence or absence makes nothing stale.
+servegrid.serving.server, so its presence or absence makes nothing stale.
 """
 
 

@@ -1,4 +1,4 @@
-"""Snakemake script job: see servegrid.jobs.figures."""
+"""Snakemake script job: see servegrid.pipeline.snakemake_jobs.figures."""
 
 import sys
 from pathlib import Path
@@ -7,6 +7,6 @@ from pathlib import Path
 # (as under --sdm conda) and, when installed, the same code.
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))  # noqa: F821 - injected by Snakemake
 
-from servegrid import jobs
+from servegrid.pipeline import snakemake_jobs
 
-jobs.figures(snakemake)  # noqa: F821
+snakemake_jobs.figures(snakemake)  # noqa: F821

@@ -1,4 +1,4 @@
-"""Snakemake script job: see servegrid.jobs.render_report."""
+"""Snakemake script job: see servegrid.pipeline.snakemake_jobs.render_report."""
 
 import sys
 from pathlib import Path
@@ -7,6 +7,6 @@ from pathlib import Path
 # (as under --sdm conda) and, when installed, the same code.
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))  # noqa: F821 - injected by Snakemake
 
-from servegrid import jobs
+from servegrid.pipeline import snakemake_jobs
 
-jobs.render_report(snakemake)  # noqa: F821
+snakemake_jobs.render_report(snakemake)  # noqa: F821

@@ -1,4 +1,4 @@
-"""Snakemake script job: see servegrid.jobs.write_spec."""
+"""Snakemake script job: see servegrid.pipeline.snakemake_jobs.write_spec."""
 
 import sys
 from pathlib import Path
@@ -7,6 +7,6 @@ from pathlib import Path
 # (as under --sdm conda) and, when installed, the same code.
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))  # noqa: F821 - injected by Snakemake
 
-from servegrid import jobs
+from servegrid.pipeline import snakemake_jobs
 
-jobs.write_spec(snakemake)  # noqa: F821
+snakemake_jobs.write_spec(snakemake)  # noqa: F821

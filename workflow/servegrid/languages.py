@@ -1,7 +1,7 @@
 """The report's languages: one gettext catalogue each under ``report/locales/``.
 
 At the bottom of the package: the config checks that every language it names has a catalogue, and the
-report loads them (:mod:`servegrid.catalogues`).
+report loads them (:mod:`servegrid.reporting.catalogues`).
 """
 
 from __future__ import annotations

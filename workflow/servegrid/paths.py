@@ -25,7 +25,9 @@ GATEWAY_TABLE = f"{RESULTS}/tables/gateway.parquet"  # the gateway's added laten
 GATEWAY_VERDICT_TABLE = f"{RESULTS}/tables/gateway_verdict.parquet"  # the verdict through it, beside the direct one
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
 REQUESTS_CSV = f"{RESULTS}/tables/requests.csv"
-BENCH_EXPORT_DIR = f"{RESULTS}/exports/vllm-bench"  # one vllm bench serve result per cell (servegrid.export)
+BENCH_EXPORT_DIR = (
+    f"{RESULTS}/exports/vllm-bench"  # one vllm bench serve result per cell (servegrid.reporting.interchange)
+)
 FIGURES_DIR = f"{RESULTS}/figures"
 FIGURES_LANG_DIR = FIGURES_DIR + "/{lang}"
 REPORT_DIR = f"{RESULTS}/report"

@@ -1,6 +1,6 @@
 """The engine boundary: everything servegrid needs to know about one kind of inference server.
 
-The server lifecycle (:mod:`servegrid.server`), the cell (:mod:`servegrid.cell`),
+The server lifecycle (:mod:`servegrid.serving.server`), the cell (:mod:`servegrid.pipeline.cell_job`),
 the workload modes (:mod:`servegrid.modes`) and the client talk to an engine
 through this protocol only; nothing outside ``servegrid/engines/`` names a vLLM
 flag, endpoint, environment variable or metric. A second engine is one more
@@ -9,7 +9,7 @@ module implementing :class:`Engine`, registered in :mod:`servegrid.engines`
 ``servegrid.testing.engine``).
 
 Metric names returned by :meth:`Engine.parse_metrics` are servegrid's canonical
-ones (:data:`servegrid.metrics.COUNTERS` and :data:`servegrid.metrics.GAUGES`),
+ones (:data:`servegrid.engines.metrics.COUNTERS` and :data:`servegrid.engines.metrics.GAUGES`),
 whatever the engine calls them.
 """
 

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from servegrid import metrics, redact
+from servegrid import redact
+from servegrid.engines import metrics
 from servegrid.engines.base import EngineFacts, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 

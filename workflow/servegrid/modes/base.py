@@ -38,7 +38,7 @@ def N_(message: str) -> str:
 
 @dataclass(frozen=True)
 class FigureSpec:
-    """One figure of a mode: ``kind`` names the drawing (servegrid.figures.Painter), ``options`` its settings."""
+    """One figure of a mode: ``kind`` names the drawing (reporting.figures.Painter), ``options`` its settings."""
 
     name: str
     kind: str

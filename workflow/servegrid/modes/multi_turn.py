@@ -14,10 +14,10 @@ from typing import Any
 
 import pandas as pd
 
-from servegrid import stats
 from servegrid.modes.base import N_, FigureSpec, Mode, Primary
 from servegrid.modes.registry import register
 from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_in_stages
+from servegrid.stats import intervals
 
 
 def exact_chat_message(
@@ -115,7 +115,7 @@ def turn_columns(valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any
     out: dict[str, Any] = {}
     for name, turn in (("ttft_turn1_p50", 1), ("ttft_turn2_p50", 2), ("ttft_last_turn_p50", last_turn)):
         values = turns.loc[turns["turn"] == turn, "ttft_s"] if turn is not None else turns["ttft_s"].iloc[0:0]
-        out[name] = stats.percentiles(values.to_numpy(dtype=float))["p50"]  # None below 6 conversations
+        out[name] = intervals.percentiles(values.to_numpy(dtype=float))["p50"]  # None below 6 conversations
     return out
 
 

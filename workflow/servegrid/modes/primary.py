@@ -31,7 +31,7 @@ class Primary:
 
     def mask(self, requests: Mapping[str, Any]) -> Any:
         """Which requests this figure's samples come from: measured, valid, of its turn (columns of
-        servegrid.per_request.derive's table, as a DataFrame or as numpy arrays). The summary, the verdict and
+        servegrid.records.per_request.derive's table, as a DataFrame or as numpy arrays). The summary, the verdict and
         sequential sampling all count these, and only these."""
         selected = (requests["phase"] == "measured") & requests["valid"]
         return selected if self.turn is None else selected & (requests["turn"] == self.turn)

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from servegrid import progress
-from servegrid.request_record import RequestRecord
+from servegrid.records.request import RequestRecord
 
 if TYPE_CHECKING:
     import httpx
 
     from servegrid.engines import Engine
-    from servegrid.prompts import PromptBuilder
-    from servegrid.stages import StagePlan
+    from servegrid.modes.prompts import PromptBuilder
+    from servegrid.modes.stages import StagePlan
 
 MeasureHook = Callable[[], Awaitable[None]]
 Content = TypeVar("Content")
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class Sender(Protocol):
-    """The two calls a runner makes on the streaming client (servegrid.client.Streamer)."""
+    """The two calls a runner makes on the streaming client (servegrid.measuring.client.Streamer)."""
 
     async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord, decode: bool = True) -> None:
         """Send ``payload`` to ``path`` and fill ``record`` as the stream arrives (decoded now, or later)."""
@@ -131,7 +131,7 @@ async def measure_in_stages(
     send: Callable[[int, int, Content, int], Awaitable[int]],
     settle: Callable[[], None] = lambda: None,
 ) -> None:
-    """The measured phase: closed-loop sessions, in the stages ``ctx.plan`` sets (servegrid.stages).
+    """The measured phase: closed-loop sessions, in the stages ``ctx.plan`` sets (servegrid.modes.stages).
 
     ``prepare(units)`` builds the content of each ``(session, index)`` unit of a stage before it starts
     (synchronously: it may ask the server's tokenizer, so nothing may be in flight); ``send(session, index,

@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from servegrid.records import CELL_SCHEMA, rows
-from servegrid.request_record import RequestRecord
-from servegrid.stats import CONFIDENCE, RESAMPLES
+from servegrid.records.cell_file import CELL_SCHEMA, rows
+from servegrid.records.request import RequestRecord
+from servegrid.stats.intervals import CONFIDENCE, RESAMPLES
 
 
 def records_frame(records: list[RequestRecord]) -> pd.DataFrame:

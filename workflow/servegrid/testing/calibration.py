@@ -50,7 +50,8 @@ from typing import Any
 
 from aiohttp import web
 
-from servegrid import stats, text
+from servegrid import text
+from servegrid.stats import intervals
 from servegrid.testing import dialect as calibration_dialect
 from servegrid.testing.dialect import CALIBRATION, DIALECTS, VLLM
 
@@ -205,7 +206,7 @@ class CalibrationServer:
     async def stats(self, _: web.Request) -> web.Response:
         """How the server kept to its script: if it was late, the client's figures say nothing."""
         late_ms = [ns / 1e6 for ns in self.counters.late_ns]
-        quantiles = stats.percentiles(late_ms, (50, 99), enough_only=False)
+        quantiles = intervals.percentiles(late_ms, (50, 99), enough_only=False)
         return web.json_response(
             {
                 "requests": self.counters.requests,

@@ -9,7 +9,7 @@ speaks it (:mod:`servegrid.testing.calibration`) and for the engine that reads
 it (:class:`servegrid.testing.engine.CalibrationEngine`).
 
 The server keeps its figures under servegrid's canonical metric names
-(:data:`servegrid.metrics.COUNTERS`, :data:`servegrid.metrics.GAUGES`); each
+(:data:`servegrid.engines.metrics.COUNTERS`, :data:`servegrid.engines.metrics.GAUGES`); each
 dialect renders them its own way.
 """
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from servegrid import engines, metrics, redact
+from servegrid import engines, redact
+from servegrid.engines import metrics
 from servegrid.engines.base import EngineFacts, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 from servegrid.testing import dialect

@@ -1,0 +1,321 @@
+"""The experiment: validated configuration, typed sections, the grid of cells, launch specs.
+
+The YAML is validated against ``workflow/schemas/config.schema.yaml`` (each
+workload mode's settings come from its module, :mod:`servegrid.modes`), then
+turned into frozen dataclasses: no code reads the configuration by string key.
+
+Everything a cell's result depends on is derived here, and nothing else:
+:meth:`Experiment.launch_spec` (what the server is) and
+:meth:`Experiment.cell_settings` (what the cell measures). Snakemake compares
+both between runs to decide what reruns, so operational settings (ports,
+timeouts, GPU placement) deliberately appear in neither. What figures and
+reports show of the configuration is :meth:`Experiment.presentation`, a
+declared input of those rules alone.
+
+It runs over 300 lines so that every identity that decides a rerun (launch
+specs, cell settings, the gateway's) is computed in this one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from servegrid import engines, modes, paths, redact
+from servegrid.config.checks import check
+from servegrid.config.schema import read_yaml, validate
+from servegrid.config.sections import (
+    ClassRule,
+    Configuration,
+    EngineSection,
+    ExperimentInfo,
+    ModelSection,
+    Objective,
+    Operations,
+    ProxySection,
+    Validity,
+    VerdictRules,
+    Workload,
+    localized,
+    objectives,
+    rule_fields,
+    sampling_rules,
+    section,
+)
+from servegrid.config.tiny_model_spec import TinyModelSpec
+from servegrid.errors import ConfigError
+from servegrid.stats.sampling import SamplingRule
+
+__all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Validity", "VerdictRules", "Workload"]
+
+
+# Bump when the way a cell is measured changes: every cell reruns.
+MEASUREMENT_VERSION = 5  # 5: the measured phase in stages (sequential sampling); 4: /metrics parsed afterwards
+
+# Keys of a workload section that place it in the grid rather than shape what a cell measures.
+GRID_KEYS = ("enabled", "contexts", "concurrency")
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One grid point: configuration × workload mode × context × concurrency."""
+
+    configuration: str
+    mode: str
+    context: int
+    concurrency: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.configuration}/{self.mode}/ctx{self.context}_c{self.concurrency}"
+
+    @property
+    def path(self) -> str:
+        return paths.cell(self.configuration, self.mode, self.context, self.concurrency)
+
+
+class Experiment:
+    """A validated configuration: typed sections and the derived grid."""
+
+    def __init__(self, raw: Mapping[str, Any], source: str = "config") -> None:
+        self.source = source
+        # The validated dict with defaults filled in: hashed for provenance, never read by key.
+        self.raw = validate(raw, source)
+        r = self.raw
+        self.info: ExperimentInfo = section(ExperimentInfo, r["experiment"])
+        self.model: ModelSection = section(ModelSection, r["model"])
+        self.engine: EngineSection = section(EngineSection, r["engine"])
+        self.configurations: dict[str, Configuration] = {
+            name: section(Configuration, conf, name=name) for name, conf in r["configurations"].items()
+        }
+        self.temperature: float = r["sampling"]["temperature"]
+        enabled = [m for m in modes.names() if (w := r["workloads"].get(m)) is not None and w["enabled"]]
+        try:
+            self.sampling_rules: dict[str, SamplingRule | None] = sampling_rules(raw, r, enabled)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        self.workloads: dict[str, Workload] = {
+            mode: Workload(
+                mode=mode,
+                contexts=tuple(written["contexts"]),
+                concurrency=tuple(written["concurrency"]),
+                # A mode's sampling keys are resolved into sampling_rules; a sequential cell has no fixed
+                # count or time limit, so those defaults are not part of what it measures.
+                settings={
+                    k: v
+                    for k, v in written.items()
+                    if k not in (*GRID_KEYS, "sampling")
+                    and not (self.sampling_rules[mode] and k in ("requests_per_session", "duration_s"))
+                },
+            )
+            for mode in enabled
+            if (written := r["workloads"][mode]) is not None
+        }
+        self.operations: Operations = section(Operations, r["operations"])
+        self.validity: Validity = section(Validity, r["validity"])
+        # How cells reach the servers, and the gateway in front of them when they go through one.
+        self.route: str = r["route"]
+        self.proxy: ProxySection | None = section(ProxySection, r["proxy"]) if r["proxy"] is not None else None
+        self.verdict = VerdictRules.from_config(r["verdict"])
+        self.languages: list[str] = list(r["report"]["languages"])
+        self.report_formats: list[str] = list(r["report"]["formats"])
+        self.report_baseline: str | None = r["report"]["baseline"]
+        # Service-level objectives per enabled mode (servegrid.analysis.slo); a mode without any has no production row.
+        # A disabled mode keeps its objectives for when it is enabled again (the schema names only real modes).
+        self.slo: dict[str, tuple[Objective, ...]] = {
+            m: objectives(o) for m, o in r["slo"].items() if m in self.workloads
+        }
+        check(self)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Experiment:
+        raw = read_yaml(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        return cls(raw, source=str(path))
+
+    # ---- the grid ------------------------------------------------------------------------------
+    def modes(self) -> list[str]:
+        """Enabled workload modes, in the registry's order."""
+        return list(self.workloads)
+
+    def workload(self, mode: str) -> Workload:
+        if mode not in self.workloads:
+            modes.get(mode)  # an unknown mode says so; a known one is merely not enabled
+            raise ConfigError(f"{self.source}: workloads.{mode}: not enabled in this configuration")
+        return self.workloads[mode]
+
+    def cells(self, configuration: str | None = None) -> list[Cell]:
+        names = [configuration] if configuration else list(self.configurations)
+        return [
+            Cell(name, w.mode, context, concurrency)
+            for name in names
+            for w in self.workloads.values()
+            for context in w.contexts
+            for concurrency in w.concurrency
+        ]
+
+    def cell(self, configuration: str, mode: str, context: int, concurrency: int) -> Cell:
+        wanted = Cell(configuration, mode, int(context), int(concurrency))
+        # Checked in place, not against self.cells(): Snakemake asks once per cell job, and rebuilding the
+        # grid each time made the DAG grow with the square of the grid (docs/scale.md).
+        workload = self.workloads.get(mode)
+        if not (
+            configuration in self.configurations
+            and workload is not None
+            and wanted.context in workload.contexts
+            and wanted.concurrency in workload.concurrency
+        ):
+            raise ConfigError(f"{self.source}: cell {wanted.id} is not in the grid")
+        return wanted
+
+    def configuration(self, name: str) -> Configuration:
+        if name not in self.configurations:
+            raise ConfigError(
+                f"{self.source}: no configuration named '{name}' (have: {', '.join(self.configurations)})"
+            )
+        return self.configurations[name]
+
+    def configuration_index(self, name: str) -> int:
+        return list(self.configurations).index(name)
+
+    def tiny_model_spec(self) -> dict[str, Any] | None:
+        """model.tiny with every default spelled out, or None."""
+        tiny = self.model.tiny
+        return None if tiny is None else asdict(TinyModelSpec(**tiny))
+
+    # ---- identities that decide reruns -----------------------------------------------------------
+    def configuration_flags(self, name: str) -> list[str]:
+        conf = self.configuration(name)
+        return engines.get(self.engine.kind).feature_flags(conf.prefix_caching, conf.speculative) + list(conf.args)
+
+    def launch_spec(self, name: str) -> dict[str, Any]:
+        """What the server of configuration ``name`` is; placement and ports excluded."""
+        conf = self.configuration(name)
+        return {
+            "configuration": name,
+            "engine": self.engine.kind,
+            "command": list(self.engine.command),
+            "model": self.model.path,
+            "served_name": self.model.served_name,
+            "tiny_model": self.tiny_model_spec(),
+            "args": list(self.engine.args) + self.configuration_flags(name),
+            "env": {**(self.engine.env or {}), **(conf.env or {})},
+            "api_key_env": self.engine.api_key_env,
+            "prefix_caching": conf.prefix_caching,
+            "speculative": dict(conf.speculative) if conf.speculative else None,
+        }
+
+    def public_launch_spec(self, name: str) -> dict[str, Any]:
+        """:meth:`launch_spec` with every secret masked: what spec.json, Snakemake's params and the reports hold.
+        A changed secret changes no measurement, so it reruns nothing; the server gets the real values."""
+        spec = self.launch_spec(name)
+        return {**spec, "args": redact.argv(spec["args"]), "env": redact.env(spec["env"])}
+
+    def routes(self) -> list[str]:
+        """The routes every cell is measured by, the verdict's first: ``direct``, ``proxy`` or both."""
+        return {"direct": ["direct"], "proxy": ["proxy"], "both": ["direct", "proxy"]}[self.route]
+
+    def gateway_identity(self) -> dict[str, Any] | None:
+        """What the gateway is, as far as it shapes a proxied cell's numbers (placement and the key excluded):
+        part of every proxied cell's settings, so a new LiteLLM version or model_params reruns those cells."""
+        if self.route == "direct" or self.proxy is None:
+            return None
+        p = self.proxy
+        if p.url is not None:
+            return {"url": p.url, "models": dict(p.models or {})}
+        return {"kind": p.kind, "version": p.version, "command": list(p.command), "args": redact.argv(p.args),
+                "model_params": dict(p.model_params or {})}  # fmt: skip
+
+    def cell_settings(self, cell: Cell) -> dict[str, Any]:
+        """Everything that cell's numbers depend on besides the server itself."""
+        # Direct-only cells keep the settings they had before routes existed: adding the gateway reruns nothing
+        # until a route uses it.
+        routes = {} if self.route == "direct" else {"route": self.route, "gateway": self.gateway_identity()}
+        return routes | {
+            "measurement_version": MEASUREMENT_VERSION,
+            "cell": cell.id,
+            "mode": cell.mode,
+            "context": cell.context,
+            "concurrency": cell.concurrency,
+            "workload": dict(self.workload(cell.mode).settings),
+            "sampling": {"temperature": self.temperature, "rule": rule_fields(self.sampling_rules[cell.mode])},
+        }
+
+    def label(self, name: str, lang: str) -> str:
+        """A configuration's label in ``lang``."""
+        return localized(self.configuration(name).label, lang)
+
+    def title(self, lang: str) -> str:
+        return localized(self.info.title, lang)
+
+    def baseline(self) -> str:
+        """The configuration the others are compared with in the ratio figure: report.baseline, else the first."""
+        return self.report_baseline or next(iter(self.configurations))
+
+    def figure_presentation(self) -> dict[str, Any]:
+        """What the figures show of the configuration besides the measured data (labels, colours and
+        markers by configuration order, the baseline): a declared input (params) of the figure rule."""
+        return {
+            "configurations": {name: {"label": c.label} for name, c in self.configurations.items()},
+            "configuration_order": list(self.configurations),
+            "baseline": self.baseline(),
+            "modes": self.modes(),
+            # Which figures exist and which panels the goodput figure has.
+            "slo": self.raw["slo"],
+            "route": self.route,  # the gateway's figure exists with route: both
+        }
+
+    def presentation(self) -> dict[str, Any]:
+        """What the report shows of the configuration besides the measured data: a declared input
+        (params) of the report rule, so that editing a label or the title reruns exactly the reports."""
+        return {
+            "title": self.info.title,
+            "hardware": self.info.hardware,
+            "model": self.model.path,
+            "tiny_model": self.model.tiny is not None,
+            "engine": self.engine.kind,
+            "engine_args": redact.argv(self.engine.args),
+            "configurations": {
+                # Not its GPUs: placement is shown from what each server recorded, and reruns nothing.
+                name: {"label": c.label, "flags": redact.argv(self.configuration_flags(name))}
+                for name, c in self.configurations.items()
+            },
+            # The report lists configurations in the config's order; the mapping above may be stored sorted.
+            "configuration_order": list(self.configurations),
+            "baseline": self.baseline(),
+            "slo": self.raw["slo"],  # the objectives the production section prints
+            "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
+            "sampling": {mode: rule_fields(self.sampling_rules[mode]) for mode in self.workloads},  # the rules shown
+            "min_factor": self.verdict.min_factor,
+            "client_cpus": list(self.operations.client_cpus),
+            # The section "through the gateway": its topology and the gateway's settings (no key).
+            "route": self.route,
+            "gateway": self.gateway_identity(),
+        }
+
+    def workload_view(self, mode: str) -> dict[str, Any]:
+        w = self.workload(mode)
+        return {**w.settings, "contexts": list(w.contexts), "concurrency": list(w.concurrency)}
+
+    def longest_request(self, mode: str, context: int) -> int:
+        """Prompt + output tokens of the longest request of a cell of ``mode`` at ``context``."""
+        return modes.get(mode).request_tokens(context, self.workload(mode).settings)
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_jsonable)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def spec_hash(spec: Mapping[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(spec).encode()).hexdigest()[:16]

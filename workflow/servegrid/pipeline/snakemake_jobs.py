@@ -1,0 +1,167 @@
+"""Glue between Snakemake ``script:`` jobs and the package.
+
+Each function takes the ``snakemake`` object a script job receives, sends
+logging to the rule's ``log:`` file, and calls the same package functions the
+CLI calls. An expected failure (any :class:`~servegrid.errors.ServegridError`)
+ends the job with its message alone, caught by :func:`servegrid.errors.guarded`
+as in the CLI, so the terminal and the job's log show the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from servegrid import atomic
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError, guarded
+from servegrid.pipeline import logging_setup
+from servegrid.serving import server
+
+
+def _setup_logging(smk: Any) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if smk.log:
+        Path(smk.log[0]).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(smk.log[0], mode="w"))
+    logging_setup.configure("INFO", handlers)
+
+
+def _run(smk: Any, body: Callable[[Experiment], None]) -> None:
+    # Logging first, so that even an invalid config is reported in the job's log.
+    _setup_logging(smk)
+
+    def job() -> None:
+        experiment = Experiment(smk.config)
+        logging.getLogger().setLevel(experiment.operations.log_level)
+        logging_setup.quiet_libraries()
+        body(experiment)
+
+    code = guarded(job, logging.getLogger("servegrid"))
+    if code:
+        sys.exit(code)
+
+
+def write_spec(smk: Any) -> None:
+    def body(experiment: Experiment) -> None:
+        spec = json.loads(smk.params.spec)
+        atomic.write_json(smk.output[0], spec)
+
+    _run(smk, body)
+
+
+def run_cell(smk: Any) -> None:
+    from servegrid.pipeline.cell_job import run_cell as measure
+
+    def body(experiment: Experiment) -> None:
+        wc = smk.wildcards
+        cell = experiment.cell(wc.configuration, wc.mode, int(wc.context), int(wc.concurrency))
+        written = json.loads(Path(smk.input.spec).read_text(encoding="utf-8"))
+        if written != experiment.public_launch_spec(cell.configuration):
+            raise ConfigError(f"{smk.input.spec} does not match the configuration; rerun its server_spec job")
+        # spec.json has its secrets masked; the server is launched with the real ones.
+        measure(experiment, cell, smk.output[0], owner=server.owner_from_env())
+
+    _run(smk, body)
+
+
+def stop_server(smk: Any) -> None:
+    def body(experiment: Experiment) -> None:
+        name = smk.wildcards.configuration
+        runtime = server.Runtime.from_config(experiment.operations, experiment.configuration(name))
+        stopped = server.stop(name, runtime, reason="last cell of the configuration done")
+        stopped_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+        atomic.write_json(smk.output[0], {"configuration": name, "stopped_at": stopped_at, "stopped": stopped})
+
+    _run(smk, body)
+
+
+def build_model(smk: Any) -> None:
+    from servegrid.serving import tiny_model
+
+    def body(experiment: Experiment) -> None:
+        spec = tiny_model.TinyModelSpec(**experiment.tiny_model_spec())
+        tiny_model.build(Path(smk.output[0]), spec)
+
+    _run(smk, body)
+
+
+def aggregate(smk: Any) -> None:
+    from servegrid.analysis import aggregation as agg
+
+    def body(experiment: Experiment) -> None:
+        agg.aggregate(
+            experiment,
+            list(smk.input.cells),
+            requests_out=smk.output.requests,
+            summary_out=smk.output.summary,
+            servers_out=smk.output.servers,
+            comparisons_out=smk.output.comparisons,
+            verdict_out=smk.output.verdict,
+            crossovers_out=smk.output.crossovers,
+            production_out=smk.output.production,
+            gateway_out=smk.output.gateway,
+            gateway_verdict_out=smk.output.gateway_verdict,
+        )
+
+    _run(smk, body)
+
+
+def figures(smk: Any) -> None:
+    from servegrid.reporting import figures as fig
+
+    def body(experiment: Experiment) -> None:
+        fig.draw_all(
+            experiment,
+            smk.input.summary,
+            smk.input.comparisons,
+            Path(smk.params.out_dir),
+            smk.wildcards.lang,
+            requests_path=smk.input.requests,
+            gateway_path=smk.input.gateway,
+        )
+
+    _run(smk, body)
+
+
+def render_report(smk: Any) -> None:
+    from servegrid.reporting import document
+
+    def body(experiment: Experiment) -> None:
+        document.render(
+            experiment,
+            lang=smk.wildcards.lang,
+            summary_path=smk.input.summary,
+            comparisons_path=smk.input.comparisons,
+            verdict_path=smk.input.verdict,
+            crossovers_path=smk.input.crossovers,
+            production_path=smk.input.production,
+            gateway_path=smk.input.gateway,
+            gateway_verdict_path=smk.input.gateway_verdict,
+            servers_path=smk.input.servers,
+            figures_dir=Path(smk.params.figures_dir),
+            # report_html or report_pdf: one document per job.
+            html_out=smk.output[0] if smk.output[0].endswith(".html") else None,
+            pdf_out=smk.output[0] if smk.output[0].endswith(".pdf") else None,
+        )
+
+    _run(smk, body)
+
+
+def export(smk: Any) -> None:
+    import pandas as pd
+
+    from servegrid.reporting import interchange as exports
+
+    def body(experiment: Experiment) -> None:
+        requests, summary = pd.read_parquet(smk.input.requests), pd.read_parquet(smk.input.summary)
+        exports.write_bench_results(requests, summary, smk.params.model, Path(smk.output.bench))
+        exports.write_csv(summary, smk.output.summary_csv)
+        exports.write_csv(requests, smk.output.requests_csv)
+
+    _run(smk, body)

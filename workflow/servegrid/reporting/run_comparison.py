@@ -1,0 +1,107 @@
+"""Two runs side by side: for the cells they share, how far each primary figure moved, and whether beyond noise.
+
+``servegrid compare OLD NEW`` reads each run's ``tables/`` (its ``summary.parquet`` and ``requests.parquet``,
+as the aggregate step wrote them under ``results/``): an engine upgrade, a new flag, last month's run. Per
+shared cell (configuration × mode × context × concurrency) it gives the ratio NEW / OLD of the primary
+figure's median and that ratio's 95% bootstrap interval, both runs' samples resampled independently (the
+verdict's method, servegrid.analysis.verdict.CellSamples). A cell *moved* when the interval excludes 1 and the ratio
+is at least ``min_factor`` away from it (verdict.min_factor: a 1% shift that a long run resolves is not news);
+it moved for the *better* or the *worse* by its mode's direction (decode speed up is better, TTFT down is).
+A cell whose server launch changed between the runs (its spec hash) is marked so: that is where to look first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servegrid import atomic, modes
+from servegrid.analysis.verdict import CellSamples
+from servegrid.errors import ConfigError
+from servegrid.reporting import terminal_summary
+from servegrid.stats import intervals
+
+KEYS = ["configuration", "mode", "context", "concurrency"]
+COLUMNS = [*KEYS, "metric", "old_p50", "new_p50", "old_n", "new_n", "ratio", "ratio_ci_low", "ratio_ci_high",
+           "moved", "direction", "spec_changed"]  # fmt: skip
+
+
+def _run_tables(run: Path | str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run's summary and requests tables: ``run`` is its results folder (or the tables folder itself)."""
+    folder = Path(run)
+    tables = folder / "tables" if (folder / "tables").is_dir() else folder
+    try:
+        return pd.read_parquet(tables / "summary.parquet"), pd.read_parquet(tables / "requests.parquet")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{run}: no summary.parquet and requests.parquet to compare ({exc}); give a run's results folder"
+        ) from exc
+
+
+def compare_runs(old: Path | str, new: Path | str, min_factor: float = 1.05) -> pd.DataFrame:
+    """One row per cell both runs measured validly with a median (see the module docstring)."""
+    (old_summary, old_requests), (new_summary, new_requests) = _run_tables(old), _run_tables(new)
+    old_samples, new_samples = CellSamples(old_requests, salt="old"), CellSamples(new_requests, salt="new")
+    usable = ["valid", "primary_p50"]
+    old_cells = old_summary[old_summary[usable[0]].astype(bool) & old_summary[usable[1]].notna()]
+    new_cells = new_summary[new_summary[usable[0]].astype(bool) & new_summary[usable[1]].notna()]
+    both = old_cells.merge(new_cells, on=KEYS, suffixes=("_old", "_new"))
+    rows: list[dict[str, Any]] = []
+    for cell in both.to_dict("records"):
+        key = tuple(cell[k] for k in KEYS)
+        key = (str(key[0]), str(key[1]), int(key[2]), int(key[3]))
+        ratio = cell["primary_p50_new"] / cell["primary_p50_old"]
+        low, high = new_samples.ratio_ci(key, key, old_samples)
+        moved = low is not None and (low > 1 or high < 1) and max(ratio, 1 / ratio) >= min_factor
+        higher_is_better = modes.get(cell["mode"]).primary.higher_is_better
+        rows.append({
+            **{k: cell[k] for k in KEYS},
+            "metric": cell["primary_metric_new"],
+            "old_p50": cell["primary_p50_old"], "new_p50": cell["primary_p50_new"],
+            "old_n": cell["primary_n_old"], "new_n": cell["primary_n_new"],
+            "ratio": ratio, "ratio_ci_low": low, "ratio_ci_high": high,
+            "moved": bool(moved),
+            "direction": None if not moved else "better" if (ratio > 1) == higher_is_better else "worse",
+            "spec_changed": cell["spec_hash_old"] != cell["spec_hash_new"],
+        })  # fmt: skip
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def text(frame: pd.DataFrame, old: str, new: str) -> str:
+    """The comparison as a terminal table, the cells that moved first."""
+    if frame.empty:
+        return f"servegrid compare: {old} and {new} share no valid cell with a median"
+    moved = frame[frame["moved"]]
+    lines = [f"servegrid compare: {len(frame)} cells in both runs, {len(moved)} moved beyond noise "
+             f"(old: {old}, new: {new})", ""]  # fmt: skip
+    rows = [["cell", "metric", "old p50", "new p50", "new / old (95% CI)", "moved", "launch changed"]]
+    ordered = pd.concat([moved, frame[~frame["moved"]]])
+    for r in ordered.to_dict("records"):
+        interval = (
+            "" if intervals.missing(r["ratio_ci_low"]) else f" ({r['ratio_ci_low']:.3f}-{r['ratio_ci_high']:.3f})"
+        )
+        rows.append([
+            f"{r['configuration']}/{r['mode']}/ctx{r['context']}_c{r['concurrency']}", str(r["metric"]),
+            f"{r['old_p50']:.4g}", f"{r['new_p50']:.4g}", f"{r['ratio']:.3f}x{interval}",
+            r["direction"] if isinstance(r["direction"], str) else "-", "yes" if r["spec_changed"] else "",
+        ])  # fmt: skip
+    return "\n".join(lines + terminal_summary.table(rows))
+
+
+def write_html(frame: pd.DataFrame, old: str, new: str, lang: str, out: Path | str) -> None:
+    """The comparison as an HTML page in ``lang``, in the report's style and words (report/templates)."""
+    from servegrid.reporting import document
+
+    env, fmt, _ = document.environment(lang)
+    html = env.get_template("compare.html.j2").render(
+        html_lang=str(fmt.locale).replace("_", "-"),
+        css=(document.TEMPLATES / "style.css").read_text(encoding="utf-8"),
+        old=old,
+        new=new,
+        rows=pd.concat([frame[frame["moved"]], frame[~frame["moved"]]]).to_dict("records"),
+        moved=int(frame["moved"].sum()) if len(frame) else 0,
+        modes={m.name: m for m in modes.registered()},
+    )
+    atomic.write_text(out, html)

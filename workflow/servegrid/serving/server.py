@@ -1,0 +1,363 @@
+"""Bring inference servers up, reuse them across cells, and take them down.
+
+It runs over 300 lines: bring-up, reuse and teardown are one protocol under
+one lock, and each step stops or replaces servers that the others start.
+
+A cell job calls :func:`ensure` with its configuration's launch spec. If a
+healthy server with the same spec is already up it is reused; otherwise any
+server that would compete for the same devices is stopped and a new one is
+launched under a :mod:`servegrid.serving.supervisor`, health-checked, warmed up and
+described (:class:`ServerFacts`). :func:`stop` and :func:`stop_all` take
+servers down with their whole process tree.
+
+What is particular to one kind of server (its argv, environment, health
+endpoint, warm-up request, start-up log and self-description) comes from the
+spec's engine (:mod:`servegrid.engines`). Records, facts, leases and the lock
+that serialises these decisions live in :mod:`servegrid.serving.state`; the launch
+under a supervisor and the wait for health, shared with the gateway, in
+:mod:`servegrid.serving.launch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+
+from servegrid import atomic, engines, redact
+from servegrid.config import spec_hash
+from servegrid.engines import Engine
+from servegrid.errors import ServerError
+from servegrid.serving import hostinfo, procs, state
+from servegrid.serving.launch import identity, launch_supervised, new_session, wait_healthy
+from servegrid.serving.state import Runtime, ServerFacts, lease
+
+__all__ = [
+    "OWNER_ENV",
+    "Runtime",
+    "ServerFacts",
+    "discard",
+    "ensure",
+    "launch_command",
+    "lease",
+    "owner_from_env",
+    "owner_token",
+    "status",
+    "stop",
+    "stop_all",
+]
+
+log = logging.getLogger(__name__)
+
+OWNER_ENV = "SERVEGRID_OWNER"
+
+
+def owner_token(owner: procs.ProcessRef) -> str:
+    """How a job learns its owner: pid and start time (a pid alone may be someone else's by then)."""
+    return f"{owner.pid}:{owner.create_time!r}"
+
+
+def owner_from_env() -> procs.ProcessRef | None:
+    """The process whose disappearance should take servers down: Snakemake, when it set one.
+
+    A job whose Snakemake is already gone (killed while this job was starting) gets an error, not
+    None: a server started with no owner would outlive everyone. So does one whose owner's pid now
+    belongs to another process (the start time differs).
+    """
+    raw = os.environ.get(OWNER_ENV)
+    if not raw:
+        return None
+    try:
+        pid, create_time = raw.split(":")
+        owner = procs.ProcessRef(int(pid), float(create_time))
+    except ValueError:
+        raise ServerError(
+            f"{OWNER_ENV}={raw!r} is not 'pid:start-time' (servegrid.serving.server.owner_token)"
+        ) from None
+    if not owner.alive():
+        raise ServerError(f"the Snakemake process ({OWNER_ENV}={raw}) that runs this job is gone: no server is "
+                          "started for it")  # fmt: skip
+    return owner
+
+
+# ---- argv, environment, authentication ---------------------------------------
+
+
+def _api_key(spec: dict[str, Any]) -> str | None:
+    key_var = spec.get("api_key_env")
+    if not key_var:
+        return None
+    key = os.environ.get(key_var)
+    if not key:
+        raise ServerError(f"engine.api_key_env names {key_var}, but that variable is not set")
+    return key
+
+
+def _argv_and_env(spec: dict[str, Any], runtime: Runtime, port: int, session: str) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and its environment overrides, API key included."""
+    engine = engines.get(spec["engine"])
+    names = [spec["served_name"], identity(session)]
+    argv = engine.argv(spec["command"], spec["model"], names, runtime.host, port, spec["args"])
+    return argv, engine.server_env(spec["env"], runtime.gpus, _api_key(spec))
+
+
+def launch_command(
+    spec: dict[str, Any], runtime: Runtime, port: int, session: str = "SESSION"
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and the environment overrides (secrets masked) that ``spec``'s server gets on ``port``."""
+    argv, env = _argv_and_env(spec, runtime, port, session)
+    return redact.argv(argv), engines.get(spec["engine"]).public_env(env)
+
+
+def auth_headers(spec: dict[str, Any]) -> dict[str, str]:
+    """The bearer token the client sends, from the variable engine.api_key_env names (none without one)."""
+    key = _api_key(spec)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _conflicts(a_gpus: Sequence[int], b_gpus: Sequence[int]) -> bool:
+    # CPU servers (no GPUs) share the host's cores with everything else.
+    return not a_gpus or not b_gpus or bool(set(a_gpus) & set(b_gpus))
+
+
+# ---- bring-up -----------------------------------------------------------------
+
+
+def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | None) -> ServerFacts:
+    """Return a healthy, warmed-up server for ``spec``: reused if one is up, else started.
+
+    A server that competes for the same devices is stopped first, but never
+    while a cell holds its :func:`lease`: then this waits for the cell to end.
+    """
+    configuration = spec["configuration"]
+    engine = engines.get(spec["engine"])
+    wanted = spec_hash(spec)
+    while True:
+        with state.locked(runtime):
+            record = state.read(state.record_path(runtime, configuration))
+            facts = state.read(state.facts_path(runtime, configuration))
+            if record and state.supervised(record):
+                if record["spec_hash"] != wanted or not facts:
+                    stop_record(record, runtime, reason="replaced by a server with another spec")
+                elif _healthy(engine, record, spec) and _answers(engine, record, facts, spec, runtime):
+                    return ServerFacts(**facts)
+                else:
+                    # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
+                    # handed to the next cell, whose every request would wait out its timeout.
+                    stop_record(record, runtime, reason="not answering a tiny completion: replaced")
+            elif record and state.anything_running(record):
+                # Its server exited and its supervisor is still winding down (holding the host claims and
+                # about to write its record), or its supervisor is gone and its server is not: finish either.
+                stop_record(record, runtime, reason="half gone: server or supervisor no longer running")
+            _raise_if_failed_before(runtime, configuration, wanted, owner)
+            rivals = [
+                r
+                for other, r in state.records(runtime).items()
+                # The gateway holds no device: it stays up while the servers behind it change.
+                if other not in (configuration, state.GATEWAY) and state.live(r) and _conflicts(runtime.gpus, r["gpus"])
+            ]
+            with contextlib.ExitStack() as held:
+                if all(held.enter_context(state.try_lease(runtime, r["configuration"])) for r in rivals):
+                    for rival in rivals:
+                        stop_record(rival, runtime, reason=f"devices needed by {configuration}")
+                    try:
+                        return _start(spec, engine, wanted, runtime, owner)
+                    except ServerError as exc:
+                        atomic.write_json(
+                            state.failure_path(runtime, configuration),
+                            {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc)},
+                        )
+                        raise
+        # A rival server is measuring a cell right now: let it finish.
+        time.sleep(1.0)
+
+
+def _raise_if_failed_before(runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None) -> None:
+    """Within one pipeline run, a spec that failed to start fails its other cells at once."""
+    failure = state.read(state.failure_path(runtime, configuration))
+    if failure and owner and failure["spec_hash"] == wanted and failure["owner"] == owner.to_dict():
+        raise ServerError(f"(failed earlier in this run, not retried)\n{failure['message']}")
+
+
+def _refuse_if_owner_gone(owner: procs.ProcessRef | None) -> None:
+    if owner is not None and not owner.alive():
+        raise ServerError(f"the process that owns this run (pid {owner.pid}) is gone: no server is started for it")
+
+
+def _start(
+    spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, owner: procs.ProcessRef | None
+) -> ServerFacts:
+    configuration = spec["configuration"]
+    _refuse_if_owner_gone(owner)
+    hostinfo.check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
+    hostinfo.check_gpus(runtime.gpus, f"configurations.{configuration}.gpus")
+    session = new_session()
+    ports = range(runtime.port_range[0], runtime.port_range[1] + 1)
+    started = time.monotonic()
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    url, record_path, log_path, argv, env = launch_supervised(
+        configuration, wanted, runtime, owner, session, ports, lambda port: _argv_and_env(spec, runtime, port, session)
+    )
+    try:
+        wait_healthy(
+            engine, f"the server for configuration '{configuration}'", url, auth_headers(spec), record_path,
+            log_path, (runtime.startup_timeout_s, "operations.startup_timeout_s"), identity(session),
+            f"server {configuration}",
+        )  # fmt: skip
+        startup_s = time.monotonic() - started
+        with httpx.Client(timeout=600.0, headers=auth_headers(spec)) as client:
+            warm_started = time.monotonic()
+            engine.warm_up(client, url, spec["served_name"])
+            warmup_s = time.monotonic() - warm_started
+            described = engine.describe(client, url, spec["served_name"])
+    except BaseException:
+        record = state.read(record_path)
+        if record:
+            stop_record(record, runtime, reason="start-up failed")
+        raise
+    capacity = engine.startup_facts(log_path.read_text(encoding="utf-8", errors="replace"))
+    facts = ServerFacts(
+        configuration=configuration,
+        engine=engine.kind,
+        session=session,
+        spec_hash=wanted,
+        url=url,
+        argv=redact.argv(argv),
+        env=engine.public_env(env),
+        gpus=runtime.gpus,
+        log_path=str(log_path),
+        engine_version=described.version,
+        kv_cache_tokens=capacity.kv_cache_tokens,
+        max_concurrency=capacity.max_concurrency,
+        max_model_len=described.max_model_len,
+        startup_s=round(startup_s, 3),
+        warmup_s=round(warmup_s, 3),
+        started_at=started_at,
+        host=hostinfo.describe(runtime.gpus),
+        block_size=described.block_size,
+        cpus=runtime.cpus,
+    )
+    atomic.write_json(state.facts_path(runtime, configuration), asdict(facts))
+    return facts
+
+
+LIVENESS_FACTOR = 10
+
+
+def _answers(
+    engine: Engine, record: dict[str, Any], facts: dict[str, Any], spec: dict[str, Any], runtime: Runtime
+) -> bool:
+    """The recorded server completes one tiny request within 10 × the one it completed after start-up
+    (``facts['warmup_s']``), and at least ``runtime.liveness_floor_s``."""
+    timeout_s = max(runtime.liveness_floor_s, LIVENESS_FACTOR * float(facts.get("warmup_s") or 0.0))
+    started = time.monotonic()
+    try:
+        with httpx.Client(timeout=timeout_s, headers=auth_headers(spec)) as client:
+            engine.warm_up(client, record["url"], spec["served_name"])
+        return True
+    except (httpx.HTTPError, ServerError) as exc:
+        log.warning(
+            "server session %s of configuration '%s' did not complete a tiny request (%s after %.1f s, limit "
+            "%.0f s): replaced, not reused", record["session"], spec["configuration"], type(exc).__name__,
+            time.monotonic() - started, timeout_s,
+        )  # fmt: skip
+        return False
+
+
+def _healthy(engine: Engine, record: dict[str, Any], spec: dict[str, Any]) -> bool:
+    """The recorded server answers its health check, and as itself (its launch's own name)."""
+    url = record["url"]
+    try:
+        with httpx.Client(timeout=5.0, headers=auth_headers(spec)) as client:
+            if client.get(f"{url}{engine.health_path}").status_code != 200:
+                return False
+            return identity(record["session"]) in engine.served_names(client, url)
+    except httpx.HTTPError:
+        return False
+
+
+# ---- teardown -----------------------------------------------------------------
+
+
+def stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[str, Any]:
+    """Stop one server (via its supervisor, else directly) and confirm its group is gone."""
+    supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
+    server = procs.ProcessRef.from_dict(record.get("server"))
+    pgid = record.get("pgid")
+    session = record["session"]
+
+    def ours(ref: procs.ProcessRef | None) -> bool:
+        # Pid and start time, and the session in its environment: a record from before a reboot can name a
+        # process that is someone else's now.
+        return ref is not None and ref.carries(session)
+
+    outcome = {"session": session, "reason": reason, "was_running": ours(server)}
+    if ours(supervisor):
+        assert supervisor is not None
+        with contextlib.suppress(ProcessLookupError):  # it may end by itself in between
+            os.kill(supervisor.pid, signal.SIGTERM)
+        procs.wait_gone([supervisor], runtime.shutdown_timeout_s + 10)
+    # Only processes that carry this session, or that its supervisor recorded by pid and start time, are
+    # ever signalled: a recorded pid or group number may be someone else's by now (a reboot, say).
+    latest = state.read(state.record_path(runtime, record["configuration"]))
+    if latest is None or latest.get("session") != session:
+        latest = record  # the supervisor may have added members since ``record`` was read
+    if pgid and (state.server_processes(latest) or ours(server)):
+        # Supervisor missing or too slow: do its job.
+        known = state.recorded_members(latest) + (procs.tree(server.pid) if server and ours(server) else [])
+        procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, session=session, known=known)
+    leftovers = state.server_processes(latest) if pgid else []
+    outcome["left_running"] = [p.pid for p in leftovers]
+    final = state.read(state.record_path(runtime, record["configuration"])) or record
+    outcome["returncode"] = final.get("returncode")
+    outcome["log_path"] = record.get("log_path")
+    if leftovers:
+        raise ServerError(f"processes of server session {record['session']} survived teardown: {outcome}")
+    return outcome
+
+
+def stop(configuration: str, runtime: Runtime, reason: str = "last cell done") -> list[dict[str, Any]]:
+    """Stop the server of ``configuration`` if one is up, once no cell uses it; returns what was done."""
+    with lease(configuration, runtime):
+        return discard(configuration, runtime, reason)
+
+
+def discard(configuration: str, runtime: Runtime, reason: str) -> list[dict[str, Any]]:
+    """Stop the server of ``configuration`` now, for a caller that holds its lease (a cell that found it hung)."""
+    with state.locked(runtime):
+        record = state.read(state.record_path(runtime, configuration))
+        if not record:
+            return []
+        outcome = stop_record(record, runtime, reason)
+        state.facts_path(runtime, configuration).unlink(missing_ok=True)
+        return [outcome]
+
+
+def stop_all(runtime: Runtime, owner: procs.ProcessRef | None = None, reason: str = "pipeline ended") -> list[dict]:
+    """Stop every server (or only those started on behalf of ``owner``): each one is tried even when an
+    earlier one would not go; that failure is raised at the end."""
+    stopped, failures = [], []
+    with state.locked(runtime):
+        for configuration, record in state.records(runtime).items():
+            if owner is not None and record.get("owner") != owner.to_dict():
+                continue
+            try:
+                stopped.append(stop_record(record, runtime, reason))
+            except ServerError as exc:
+                failures.append(str(exc))
+            state.facts_path(runtime, configuration).unlink(missing_ok=True)
+    if failures:
+        raise ServerError("; ".join(failures))
+    return stopped
+
+
+def status(runtime: Runtime) -> list[dict[str, Any]]:
+    """Every server record with whether it is alive now."""
+    return [{**record, "alive": state.live(record)} for record in state.records(runtime).values()]

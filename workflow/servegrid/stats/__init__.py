@@ -1,0 +1,1 @@
+"""Statistics without I/O: percentiles and intervals (numpy/scipy), and the sequential sampling rule."""
