@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -20,6 +23,7 @@ import pytest
 from helpers import REPO, copy_workflow, free_port_range, write_yaml
 from helpers.faults import calibration_config, half_written, kill_survivors, wait_for, wait_no_survivors
 from servegrid import paths
+from servegrid.paths import RunTables
 from servegrid.serving import state
 
 pytestmark = pytest.mark.pipeline
@@ -40,8 +44,8 @@ def gateway_config(**workloads) -> dict:  # type: ignore[no-untyped-def,type-arg
     return config
 
 
-def snakemake(workdir: Path, key: str, **popen) -> subprocess.Popen:  # type: ignore[no-untyped-def,type-arg]
-    argv = [sys.executable, "-m", "snakemake", "--cores", "1", "aggregate", "--configfile", CONFIG]
+def snakemake(workdir: Path, key: str, target: str = "aggregate", **popen) -> subprocess.Popen:  # type: ignore[no-untyped-def,type-arg]
+    argv = [sys.executable, "-m", "snakemake", "--cores", "1", target, "--configfile", CONFIG]
     return subprocess.Popen(argv, cwd=workdir, env={**os.environ, KEY_ENV: key}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)  # fmt: skip
 
@@ -62,23 +66,83 @@ def workdir(tmp_path: Path):  # type: ignore[no-untyped-def]
     kill_survivors(path)
 
 
-def test_the_pipeline_starts_one_gateway_and_stops_it(workdir, matrix):
+@dataclass
+class GatewayRun:
+    workdir: Path
+    key: str
+    output: str
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def gateway_run(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """One Snakemake run to the report of a 2-cell grid both ways through LiteLLM (HTML only: the sections are what
+    the tests compare, and a PDF adds half a minute)."""
+    workdir = copy_workflow(tmp_path_factory.mktemp("gateway") / "wf")
     # 8 requests a cell a side: enough for a median (servegrid.stats.sampling)
     grid = {"decode": {"contexts": [32, 64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 4}}
-    write_yaml(workdir / CONFIG, gateway_config(**grid))
+    config = gateway_config(**grid)
+    config["report"] = {**config.get("report", {}), "formats": ["html"]}
+    write_yaml(workdir / CONFIG, config)
     started = time.monotonic()
     key = "sk-" + os.urandom(8).hex()
-    proc = snakemake(workdir, key)
-    out, _ = proc.communicate(timeout=600)
+    proc = snakemake(workdir, key, target="report")
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_survivors(workdir)
     assert proc.returncode == 0, out[-4000:]
-    seconds = time.monotonic() - started
+    return GatewayRun(workdir, key, out, time.monotonic() - started)
+
+
+def test_the_pipeline_starts_one_gateway_and_stops_it(gateway_run, matrix):
+    workdir, out = gateway_run.workdir, gateway_run.output
     assert len(gateway_sessions(workdir)) == 1  # lazily started once, reused by both cells
     added = pd.read_parquet(workdir / paths.GATEWAY_TABLE)
     assert len(added) == 2 and added["ttft_added_p50_s"].notna().all()
     assert "stopped server session" in out  # the pipeline's end took the gateway down with the server
     assert half_written(workdir) == [] and wait_no_survivors(workdir, 30) == []
+    key = gateway_run.key
     assert written_anywhere(workdir / "results", key) == [] and written_anywhere(workdir / ".snakemake", key) == []
-    matrix.record("gateway-run", seconds, "a 2-cell grid both ways through LiteLLM, start to end")
+    matrix.record("gateway-run", gateway_run.seconds, "a 2-cell grid both ways through LiteLLM, start to the report")
+
+
+def report_sections(html: str) -> dict[str, str]:
+    """Each section of a report page by its id, as HTML (figures inlined)."""
+    return dict(re.findall(r'<section id="([^"]+)">(.*?)</section>', html, flags=re.S))
+
+
+def test_the_hand_run_cli_writes_the_tables_figures_and_report_the_pipeline_does(gateway_run):
+    """servegrid aggregate, figures and report by hand, on the cell files Snakemake measured: the same nine tables
+    (equal frames), the same figure files (same bytes) and the same report sections, the gateway's included."""
+    workdir = gateway_run.workdir
+    by_snakemake = workdir / "by-snakemake"
+    by_snakemake.mkdir()
+    for folder in ("tables", "figures", "report"):
+        shutil.move(workdir / "results" / folder, by_snakemake / folder)
+    for command in ("aggregate", "figures", "report"):
+        done = subprocess.run([sys.executable, "-m", "servegrid.pipeline.cli", command, "--config", CONFIG],
+                              cwd=workdir, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+    tables = RunTables.under(workdir / paths.RESULTS / "tables")
+    for name, path in tables.named().items():
+        pd.testing.assert_frame_equal(pd.read_parquet(path), pd.read_parquet(by_snakemake / "tables" / Path(path).name),
+                                      obj=name)  # fmt: skip
+    assert len(pd.read_parquet(tables.gateway)) == 2  # the gateway's rows were computed by hand too
+    figures_by_hand, figures_piped = workdir / paths.FIGURES_DIR, by_snakemake / "figures"
+    drawn = sorted(p.relative_to(figures_by_hand) for p in figures_by_hand.rglob("*.png"))
+    assert drawn and drawn == sorted(p.relative_to(figures_piped) for p in figures_piped.rglob("*.png"))
+    for name in drawn:
+        assert (figures_by_hand / name).read_bytes() == (figures_piped / name).read_bytes(), name
+    for lang in ("pt", "hu"):
+        page = Path(paths.REPORT_PATTERN.format(lang=lang, ext="html")).name
+        by_hand = report_sections((workdir / paths.REPORT_DIR / page).read_text(encoding="utf-8"))
+        piped = report_sections((by_snakemake / "report" / page).read_text(encoding="utf-8"))
+        assert list(by_hand) == list(piped) and "gateway" in by_hand
+        # Provenance names when and how each page was made; every other section is the same, byte for byte.
+        assert {k: v for k, v in by_hand.items() if k != "methodology"} == {
+            k: v for k, v in piped.items() if k != "methodology"
+        }
 
 
 def test_no_gateway_outlives_a_killed_snakemake(workdir, matrix):

@@ -26,6 +26,7 @@ from helpers.faults import Matrix, calibration_config, half_written, wait_no_sur
 from servegrid.analysis import aggregation
 from servegrid.config import Cell, Experiment
 from servegrid.errors import CellStalled
+from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.serving import procs, server
 
@@ -54,9 +55,9 @@ def measure(sandbox: server.Runtime, *server_args: str) -> tuple[pd.DataFrame, p
     requests as the cell file holds them, and its row of the summary table."""
     built, cell = experiment(*server_args)
     run_cell(built, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
-    out = {k: f"{k}.parquet" for k in ("requests", "summary", "servers", "comparisons")}
-    aggregation.aggregate(built, [cell.path], out["requests"], out["summary"], out["servers"], out["comparisons"])
-    (row,) = pd.read_parquet(out["summary"]).to_dict("records")
+    tables = RunTables.under("tables")
+    aggregation.aggregate(built, [cell.path], tables)
+    (row,) = pd.read_parquet(tables.summary).to_dict("records")
     return pd.read_parquet(cell.path), pd.Series(row)
 
 

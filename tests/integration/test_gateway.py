@@ -22,6 +22,7 @@ from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import GatewayError
 from servegrid.measuring import gateway_check
+from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.records import cell_file, per_request
 from servegrid.serving import gateway, procs, server, state
@@ -85,11 +86,10 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
     # The shared server speculates (ngram): some chunks carry several tokens, which only the direct stream counts.
     decode = per_request.derive(cell_file.read_cell(paths[0])[0].to_pandas())
     assert decode.loc[decode["route"] == "direct", "chunk_tokens_exact"].all()
-    out = {name: str(tmp_path / f"{name}.parquet") for name in ("req", "sum", "srv", "cmp", "gw", "gwv")}
-    summary = aggregation.aggregate(experiment, paths, out["req"], out["sum"], out["srv"], out["cmp"],
-                                  gateway_out=out["gw"], gateway_verdict_out=out["gwv"])  # fmt: skip
-    assert len(summary) == 2 and (pd.read_parquet(out["req"])["route"] == "direct").all()
-    added = pd.read_parquet(out["gw"])
+    tables = RunTables.under(tmp_path)
+    summary = aggregation.aggregate(experiment, paths, tables)
+    assert len(summary) == 2 and (pd.read_parquet(tables.requests)["route"] == "direct").all()
+    added = pd.read_parquet(tables.gateway)
     assert len(added) == 2 and added["gateway_version"].eq(PINNED).all()
     assert added["ttft_added_p50_s"].notna().all() and added["e2e_added_p50_s"].notna().all()
     assert os.environ[KEY_ENV] not in added["gateway_model_list"].iloc[0]  # the key's value, in no table

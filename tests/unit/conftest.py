@@ -7,6 +7,7 @@ import yaml
 from test_aggregate_verdict import make_demo_grid, run_aggregate
 
 from helpers import REPO
+from servegrid.paths import RunTables
 from servegrid.reporting import document, figures
 
 
@@ -26,27 +27,9 @@ def render_both(experiment, cells, tmp_path):  # type: ignore[no-untyped-def]
     out = {}
     for lang in ("pt", "hu"):
         figures_dir = tmp_path / "figures" / lang
-        figures.draw_all(
-            experiment,
-            str(tmp_path / "summary.parquet"),
-            str(tmp_path / "comparisons.parquet"),
-            figures_dir,
-            lang,
-            requests_path=str(tmp_path / "requests.parquet"),
-        )
+        tables = RunTables.under(tmp_path)
+        figures.draw_all(experiment, tables, figures_dir, lang)
         html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
-        document.render(
-            experiment,
-            lang,
-            summary_path=str(tmp_path / "summary.parquet"),
-            comparisons_path=str(tmp_path / "comparisons.parquet"),
-            servers_path=str(tmp_path / "servers.parquet"),
-            figures_dir=figures_dir,
-            html_out=str(html),
-            pdf_out=str(pdf),
-            verdict_path=str(tmp_path / "verdict.parquet"),
-            crossovers_path=str(tmp_path / "crossovers.parquet"),
-            production_path=str(tmp_path / "production.parquet"),
-        )
+        document.render(experiment, lang, tables, figures_dir, str(html), str(pdf))
         out[lang] = (html.read_text(encoding="utf-8"), pdf)
     return experiment, out

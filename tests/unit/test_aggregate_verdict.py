@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 
 from helpers import synthetic_cell, with_changes
-from servegrid.analysis import aggregation, verdict
+from servegrid.analysis import aggregation, summary_table, verdict
 from servegrid.config import Experiment
+from servegrid.paths import RunTables
 from servegrid.records import per_request
 
 
@@ -50,13 +51,9 @@ def make_demo_grid(demo_raw, tmp_path):  # type: ignore[no-untyped-def]
 
 
 def run_aggregate(experiment, cells, tmp_path):
-    names = ("requests", "summary", "servers", "comparisons", "verdict", "crossovers", "production")
-    out = {k: str(tmp_path / f"{k}.parquet") for k in names}
-    aggregation.aggregate(
-        experiment, cells, out["requests"], out["summary"], out["servers"], out["comparisons"],
-        verdict_out=out["verdict"], crossovers_out=out["crossovers"], production_out=out["production"],
-    )  # fmt: skip
-    return {k: pd.read_parquet(v) for k, v in out.items()}
+    tables = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, cells, tables)
+    return {name: pd.read_parquet(path) for name, path in tables.named().items()}
 
 
 def test_per_request_formulas():
@@ -234,9 +231,9 @@ def test_requests_queued_while_the_cells_live_tokens_exceed_the_pool_are_kv_limi
     missed the peak usage (a demo cell: 69% sampled, 4 x 2,618 tokens asked of 9,216)."""
     row = {"server_kv_cache_usage_perc_max": 0.69, "server_num_requests_waiting_capacity_max": 1.0,
            "server_preemptions": 0.0, "kv_cache_tokens": 9216, "peak_tokens_asked": 10472}  # fmt: skip
-    assert aggregation.kv_limited(row, concurrency=4)
-    assert not aggregation.kv_limited({**row, "server_num_requests_waiting_capacity_max": 0.0}, concurrency=4)
-    assert not aggregation.kv_limited({**row, "peak_tokens_asked": 4000}, concurrency=4)  # it fits: queued for else
+    assert summary_table.kv_limited(row, concurrency=4)
+    assert not summary_table.kv_limited({**row, "server_num_requests_waiting_capacity_max": 0.0}, concurrency=4)
+    assert not summary_table.kv_limited({**row, "peak_tokens_asked": 4000}, concurrency=4)  # it fits: queued for else
 
 
 def test_each_cell_is_resampled_once_with_a_seed_of_its_own_and_its_ratio_interval_covers_the_true_ratio():
@@ -271,10 +268,7 @@ def test_the_run_summary_names_each_class_winner_the_invalid_cells_and_the_repor
     synthetic_cell(tmp_path / bad.path, "ngram", "decode", 512, bad.concurrency, ttft_s=0.1, interval_s=0.002,
                    errors=2)  # fmt: skip
     Path(paths.SUMMARY_TABLE).parent.mkdir(parents=True)
-    aggregation.aggregate(
-        experiment, cells, paths.REQUESTS_TABLE, paths.SUMMARY_TABLE, paths.SERVERS_TABLE, paths.COMPARISONS_TABLE,
-        verdict_out=paths.VERDICT_TABLE,
-    )  # fmt: skip
+    aggregation.aggregate(experiment, cells, RunTables())
     Path(paths.REPORT_PATTERN.format(lang="hu", ext="html")).parent.mkdir(parents=True)
     Path(paths.REPORT_PATTERN.format(lang="hu", ext="html")).write_text("<html></html>")
     lines = terminal_summary.text(experiment).splitlines()

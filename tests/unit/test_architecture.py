@@ -15,6 +15,7 @@ from servegrid import modes
 from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.modes.base import N_, FigureSpec, Mode, Primary
+from servegrid.paths import RunTables
 from servegrid.reporting import document, figure_files, figures
 
 PACKAGE = REPO / "workflow" / "servegrid"
@@ -182,27 +183,21 @@ def test_a_mode_registered_at_run_time_flows_through_every_stage(toy_mode, tmp_p
     for cell in experiment.cells():
         synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
                        ttft_s=0.05, interval_s=speeds[cell.configuration], output_tokens=16)  # fmt: skip
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("requests", "summary", "servers", "comparisons", "verdict",
-                                                        "crossovers", "production")}  # fmt: skip
-    summary = aggregation.aggregate(
-        experiment, [c.path for c in experiment.cells()], out["requests"], out["summary"], out["servers"],
-        out["comparisons"], verdict_out=out["verdict"], crossovers_out=out["crossovers"],
-        production_out=out["production"],
-    )  # fmt: skip
+    tables = RunTables.under(tmp_path)
+    summary = aggregation.aggregate(experiment, [c.path for c in experiment.cells()], tables)
     toy_rows = summary[summary["mode"] == "decode_short"]
     assert len(toy_rows) == 3 * 2 and set(toy_rows["primary_metric"]) == {"decode_tps"}
     import pandas as pd
 
-    verdict = pd.read_parquet(out["verdict"]).set_index("class_id")
+    verdict = pd.read_parquet(tables.verdict).set_index("class_id")
     assert verdict.loc["decode_short", "outcome"] == "win" and verdict.loc["decode_short", "winner"] == "ngram"
     names = [spec.name for _, spec in figure_files.figure_specs(experiment)]
     assert "decode_short_tps" in names
     figures_dir = tmp_path / "figures"
-    figures.draw_all(experiment, out["summary"], out["comparisons"], figures_dir, "pt", requests_path=out["requests"])
+    figures.draw_all(experiment, tables, figures_dir, "pt")
     assert (figures_dir / "decode_short_tps.png").stat().st_size > 1000
     html = tmp_path / "r.html"
-    document.render(experiment, "pt", out["summary"], out["comparisons"], out["servers"], figures_dir, str(html),
-                  str(tmp_path / "r.pdf"), out["verdict"], out["crossovers"], out["production"])  # fmt: skip
+    document.render(experiment, "pt", tables, figures_dir, str(html), str(tmp_path / "r.pdf"))
     text = html.read_text(encoding="utf-8")
     assert '<section id="decode-short">' in text
     assert "Short decode: a toy mode registered by a test" in text

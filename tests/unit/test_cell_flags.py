@@ -17,6 +17,7 @@ import pytest
 from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import CellError, ServerError
+from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.serving import hostinfo, procs
 
@@ -60,9 +61,9 @@ def summary_of(sandbox, tmp_path):  # type: ignore[no-untyped-def]
     def measure(configuration: str, mode: str) -> pd.Series:
         (cell,) = [c for c in experiment.cells(configuration) if c.mode == mode]
         run_cell(experiment, cell, cell.path, owner=owner, runtime=sandbox)
-        out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-        aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
-        return pd.read_parquet(out["s"]).iloc[0]
+        tables = RunTables.under(tmp_path)
+        aggregation.aggregate(experiment, [cell.path], tables)
+        return pd.read_parquet(tables.summary).iloc[0]
 
     return measure
 
@@ -164,9 +165,9 @@ def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
     assert len(meta["repeats"]) == 3
     # every repeat primes its own fresh prefix: each finds the prefix cached, none finds another's
     assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] == pytest.approx(256 / 272)
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-    aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
-    row = pd.read_parquet(out["s"]).iloc[0]
+    tables = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, [cell.path], tables)
+    row = pd.read_parquet(tables.summary).iloc[0]
     assert row["n_repeats"] == 3 and row["primary_n"] == 18  # 6 a repeat: each repeat's median is reported
     assert row["primary_p50_repeat_min"] <= row["primary_p50"] <= row["primary_p50_repeat_max"]
 
@@ -179,9 +180,9 @@ def _decode_cell(sandbox, tmp_path, concurrency: int = 4):  # type: ignore[no-un
     experiment = Experiment(raw)
     (cell,) = experiment.cells("honest")
     run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-    aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
-    return pd.read_parquet(out["s"]).iloc[0], pd.read_parquet(out["r"])
+    tables = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, [cell.path], tables)
+    return pd.read_parquet(tables.summary).iloc[0], pd.read_parquet(tables.requests)
 
 
 def test_a_calm_client_is_not_flagged(sandbox, tmp_path):

@@ -12,6 +12,7 @@ from servegrid import modes
 from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
+from servegrid.paths import RunTables
 from servegrid.reporting import figure_files, figures
 
 # Decode tokens/s per session follow from the interval between tokens: smaller is faster.
@@ -37,17 +38,15 @@ def measured(tmp_path, experiment: Experiment, skip: set[tuple[str, int]] = froz
         synthetic_cell(path, cell.configuration, "decode", cell.context, cell.concurrency, ttft_s=0.05,
                        interval_s=interval, requests=30, hit_rate=0.0, interval_spread=0.05)  # fmt: skip
         paths.append(str(path))
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregation.aggregate(
-        experiment, paths, out["r"], out["s"], out["v"], out["c"], out["verdict"], out["cross"], out["prod"]
-    )
-    return {k: pd.read_parquet(v) for k, v in out.items()}
+    out = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, paths, out)
+    return {name: pd.read_parquet(path) for name, path in out.named().items()}
 
 
 def test_one_configuration_compares_nothing_and_says_so(demo_raw, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tables = measured(tmp_path, experiment_of(demo_raw, ["a"]))
-    assert tables["c"].empty and tables["cross"].empty
+    assert tables["comparisons"].empty and tables["crossovers"].empty
     assert set(tables["verdict"]["outcome"]) == {"no_data"}
 
 
@@ -58,7 +57,7 @@ def test_every_configuration_is_ranked_and_the_winner_is_measured_against_the_ru
     monkeypatch.chdir(tmp_path)
     tables = measured(tmp_path, experiment_of(demo_raw, names))
     expected = sorted(names, key=lambda n: INTERVALS[n])  # the shortest interval decodes fastest
-    for _, group in tables["c"].iterrows():
+    for _, group in tables["comparisons"].iterrows():
         assert group["ranking"].split(",") == expected and group["n_configurations"] == len(names)
         assert (group["winner"], group["runner_up"]) == (expected[0], expected[1])
         assert group["factor"] == pytest.approx(INTERVALS[expected[1]] / INTERVALS[expected[0]], rel=0.05)
@@ -66,7 +65,7 @@ def test_every_configuration_is_ranked_and_the_winner_is_measured_against_the_ru
     if len(names) == 4:  # c beats b by 1.25×: decisive
         assert decode["winner"] == "c" and decode["outcome"] == "win"
     # One crossover row per mode and pair, in the config's order.
-    pairs = [tuple(sorted((r["leader"], r["other"]))) for _, r in tables["cross"].iterrows()]
+    pairs = [tuple(sorted((r["leader"], r["other"]))) for _, r in tables["crossovers"].iterrows()]
     assert sorted(pairs) == sorted((x, y) for i, x in enumerate(names) for y in names[i + 1 :])
 
 
@@ -74,10 +73,10 @@ def test_a_near_tie_names_no_winner_and_a_missing_configuration_is_ranked_where_
     monkeypatch.chdir(tmp_path)
     # a and d differ by 2%: below verdict.min_factor (1.05), whatever the interval; c did not run at 4 sessions.
     tables = measured(tmp_path, experiment_of(demo_raw, ["a", "d", "c"]), skip={("c", 4)})
-    groups = tables["c"].set_index("concurrency")
+    groups = tables["comparisons"].set_index("concurrency")
     assert groups.loc[1, "ranking"] == "c,d,a" and groups.loc[4, "ranking"] == "d,a"
     assert groups.loc[4, "factor"] == pytest.approx(1.02, abs=0.02)
-    cross = {tuple(sorted((r["leader"], r["other"]))): r for r in tables["cross"].to_dict("records")}
+    cross = {tuple(sorted((r["leader"], r["other"]))): r for r in tables["crossovers"].to_dict("records")}
     assert cross[("a", "d")]["decisive_groups"] == 0 and not cross[("a", "d")]["found"]  # no clear lead
     assert cross[("c", "d")]["groups"] == 1  # only where both ran
 
@@ -87,7 +86,7 @@ def test_the_production_table_covers_every_configuration_where_it_ran(demo_raw, 
     # TPOT = the interval: a (10 ms) and d (9.8 ms) miss 6 ms, c (4 ms) and b (5 ms) meet it; c skipped 4 sessions.
     experiment = experiment_of(demo_raw, ["a", "b", "c", "d"], **{"slo": {"decode": {"tpot_p90_ms": 6}}})
     tables = measured(tmp_path, experiment, skip={("c", 4)})
-    production = tables["prod"].set_index("configuration")
+    production = tables["production"].set_index("configuration")
     assert list(production.index) == ["a", "b", "c", "d"]  # the config's order
     assert production["sustained_concurrency"].to_dict() == pytest.approx({"a": np.nan, "b": 4, "c": 1, "d": np.nan},
                                                                           nan_ok=True)  # fmt: skip
@@ -99,7 +98,7 @@ def test_two_configurations_tied_in_the_lead_share_the_verdict(demo_raw, tmp_pat
     """b and d are within 2% of each other, both twice as fast as a: no single winner, a shared lead."""
     monkeypatch.chdir(tmp_path)
     tables = measured(tmp_path, experiment_of(demo_raw, ["a", "b", "d"]), d1=0.0051, d4=0.0051)
-    for _, group in tables["c"].iterrows():
+    for _, group in tables["comparisons"].iterrows():
         assert sorted(group["leaders"].split(",")) == ["b", "d"]
         assert bool(group["tie"]) or group["factor"] < 1.05  # why d is among the leaders
         assert group["lead_factor"] == pytest.approx(0.010 / 0.0051, rel=0.08) and group["lead_ci_low"] > 1
@@ -112,7 +111,7 @@ def test_the_lead_changes_where_the_data_says(demo_raw, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # b leads at 1 session; a is twice as fast at 4 (its interval halves there).
     tables = measured(tmp_path, experiment_of(demo_raw, ["a", "b"]), a4=0.0025)
-    (row,) = tables["cross"].to_dict("records")
+    (row,) = tables["crossovers"].to_dict("records")
     assert (row["leader"], row["other"], row["found"]) == ("b", "a", True)
     assert (row["context"], row["concurrency"]) == (512, 4) and row["factor"] == pytest.approx(2.0, rel=0.05)
 
@@ -122,8 +121,7 @@ def test_figures_render_for_one_and_for_five_configurations(demo_raw, tmp_path, 
     monkeypatch.chdir(tmp_path)
     experiment = experiment_of(demo_raw, names, **{"report.baseline": names[-1]})
     measured(tmp_path, experiment)
-    written = figures.draw_all(experiment, str(tmp_path / "s.parquet"), str(tmp_path / "c.parquet"),
-                               tmp_path / "figures", "pt", requests_path=str(tmp_path / "r.parquet"))  # fmt: skip
+    written = figures.draw_all(experiment, RunTables.under(tmp_path), tmp_path / "figures", "pt")
     assert len(written) == len(figure_files.figure_paths(experiment, "x"))
     assert all(path.stat().st_size > 5_000 for path in written)
 
@@ -144,10 +142,10 @@ def test_multi_turn_figures_draw_each_of_five_configurations_with_its_own_line_a
         synthetic_cell(path, cell.configuration, "multi_turn", cell.context, cell.concurrency, turns=3,
                        ttft_s=0.1 * (1 + names.index(cell.configuration)), interval_s=0.005, hit_rate=0.7)  # fmt: skip
         paths.append(str(path))
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregation.aggregate(experiment, paths, *out.values())
-    painter = figures.Painter(experiment, pd.read_parquet(out["s"]), pd.read_parquet(out["c"]), str, "pt", "pt",
-                              pd.read_parquet(out["r"]))  # fmt: skip
+    out = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, paths, out)
+    painter = figures.Painter(experiment, pd.read_parquet(out.summary), pd.read_parquet(out.comparisons), str, "pt",
+                              "pt", pd.read_parquet(out.requests))  # fmt: skip
     labels = [f"config {n}" for n in names]
     for spec in modes.get("multi_turn").figures:
         fig = painter.draw("multi_turn", spec)
@@ -196,12 +194,11 @@ def test_the_printed_report_fits_the_page_with_eight_long_labels(demo_raw, tmp_p
                        ttft_s=0.05 * (1 + rank), interval_s=INTERVALS[cell.configuration], hit_rate=0.0,
                        **extra)  # fmt: skip
         paths.append(str(tmp_path / cell.path))
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregation.aggregate(experiment, paths, *out.values())
-    figures.draw_all(experiment, out["s"], out["c"], tmp_path / "figures", lang, requests_path=out["r"])
+    out = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, paths, out)
+    figures.draw_all(experiment, out, tmp_path / "figures", lang)
     pdf, html = tmp_path / "report.pdf", tmp_path / "report.html"
-    document.render(experiment, lang, out["s"], out["c"], out["v"], tmp_path / "figures", str(html), str(pdf),
-                  verdict_path=out["verdict"], crossovers_path=out["cross"], production_path=out["prod"])  # fmt: skip
+    document.render(experiment, lang, out, tmp_path / "figures", str(html), str(pdf))
     text = html.read_text(encoding="utf-8")
     assert text.count('src="data:image/png;base64,') == len(figure_files.figure_specs(experiment))  # every figure
     # A key above each table with a column per configuration: 4 modes' tables (2 in single-turn), 3 production,
@@ -250,12 +247,12 @@ def test_a_cell_too_small_for_a_median_is_marked_on_the_axis_not_drawn(demo_raw,
         synthetic_cell(path, cell.configuration, "multi_turn", cell.context, cell.concurrency, turns=3,
                        requests=4 if few else 6, ttft_s=0.1, interval_s=0.005, hit_rate=0.7)  # fmt: skip
         paths.append(str(path))
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c", "verdict", "cross", "prod")}
-    aggregation.aggregate(experiment, paths, *out.values())
-    summary = pd.read_parquet(out["s"])
+    out = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, paths, out)
+    summary = pd.read_parquet(out.summary)
     assert pd.isna(summary.set_index("cell_id").loc["a/multi_turn/ctx1024_c1", "primary_p50"])  # 4 samples
-    painter = figures.Painter(experiment, summary, pd.read_parquet(out["c"]), str, "pt", "pt",
-                              pd.read_parquet(out["r"]))  # fmt: skip
+    painter = figures.Painter(experiment, summary, pd.read_parquet(out.comparisons), str, "pt", "pt",
+                              pd.read_parquet(out.requests))  # fmt: skip
     spec = next(s for s in modes.get("multi_turn").figures if s.kind == "primary_by_concurrency")
     fig = painter.draw("multi_turn", spec)
     (ax,) = [axis for axis in fig.axes if axis.axison]

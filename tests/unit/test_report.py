@@ -17,6 +17,7 @@ from servegrid import languages, modes
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, ReportError
 from servegrid.languages import LOCALES
+from servegrid.paths import RunTables
 from servegrid.reporting import catalogues, document, figure_files, figures, run_figures
 from servegrid.reporting.document import TEMPLATES
 
@@ -224,14 +225,13 @@ def test_the_html_report_needs_no_pdf_stack_and_a_missing_one_fails_the_pdf_alon
     experiment, cells = demo_grid
     run_aggregate(experiment, cells, tmp_path)
     monkeypatch.setitem(sys.modules, "weasyprint", None)  # as on a host without WeasyPrint: importing it fails
-    tables = {f"{name}_path": str(tmp_path / f"{name}.parquet")
-              for name in ("summary", "comparisons", "servers", "verdict", "crossovers", "production")}  # fmt: skip
+    tables = RunTables.under(tmp_path)
     html = tmp_path / "only.html"
-    document.render(experiment, "pt", figures_dir=tmp_path / "no-figures", html_out=str(html), **tables)
+    document.render(experiment, "pt", tables, tmp_path / "no-figures", html_out=str(html))
     assert "</html>" in html.read_text(encoding="utf-8")
     pdf = tmp_path / "only.pdf"
     with pytest.raises(ReportError, match=r"needs WeasyPrint .* set report\.formats: \[html\] to build it alone"):
-        document.render(experiment, "pt", figures_dir=tmp_path / "no-figures", pdf_out=str(pdf), **tables)
+        document.render(experiment, "pt", tables, tmp_path / "no-figures", pdf_out=str(pdf))
     assert not pdf.exists()
 
 

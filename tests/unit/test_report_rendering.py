@@ -18,6 +18,8 @@ import pytest
 from PIL import Image
 from test_aggregate_verdict import demo_grid, run_aggregate  # noqa: F401 - the fixture is reused
 
+from servegrid.paths import RunTables
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 PROBE = """
@@ -117,16 +119,10 @@ def test_weasyprint_loads_every_resource(demo_grid, tmp_path, caplog):  # noqa: 
     experiment, cells = demo_grid
     run_aggregate(experiment, cells, tmp_path)
     figures_dir = tmp_path / "figures"
-    figures.draw_all(experiment, str(tmp_path / "summary.parquet"), str(tmp_path / "comparisons.parquet"),
-                     figures_dir, "pt", requests_path=str(tmp_path / "requests.parquet"))  # fmt: skip
+    tables = RunTables.under(tmp_path)
+    figures.draw_all(experiment, tables, figures_dir, "pt")
     with caplog.at_level(logging.WARNING, logger="weasyprint"):
-        document.render(
-            experiment, "pt", summary_path=str(tmp_path / "summary.parquet"),
-            comparisons_path=str(tmp_path / "comparisons.parquet"), servers_path=str(tmp_path / "servers.parquet"),
-            figures_dir=figures_dir, html_out=str(tmp_path / "r.html"), pdf_out=str(tmp_path / "r.pdf"),
-            verdict_path=str(tmp_path / "verdict.parquet"), crossovers_path=str(tmp_path / "crossovers.parquet"),
-            production_path=str(tmp_path / "production.parquet"),
-        )  # fmt: skip
+        document.render(experiment, "pt", tables, figures_dir, str(tmp_path / "r.html"), str(tmp_path / "r.pdf"))
     problems = [r.getMessage() for r in caplog.records if r.name.startswith("weasyprint")]
     assert not problems, problems
 

@@ -17,6 +17,7 @@ from test_cell_flags import calibration_experiment
 from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
+from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.serving import procs
 
@@ -34,9 +35,9 @@ def sequential(mode: str, workload: dict, rule: dict = RULE, server_args: tuple[
 def measure(experiment: Experiment, sandbox, tmp_path) -> tuple[pd.Series, dict]:  # type: ignore[no-untyped-def, type-arg]
     (cell,) = experiment.cells("honest")
     meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
-    out = {k: str(tmp_path / f"{k}.parquet") for k in ("r", "s", "v", "c")}
-    aggregation.aggregate(experiment, [cell.path], out["r"], out["s"], out["v"], out["c"])
-    return pd.read_parquet(out["s"]).iloc[0], meta
+    tables = RunTables.under(tmp_path)
+    aggregation.aggregate(experiment, [cell.path], tables)
+    return pd.read_parquet(tables.summary).iloc[0], meta
 
 
 DECODE = {"contexts": [32], "concurrency": [2], "output_tokens": 20, "warmup_requests": 1}

@@ -6,15 +6,8 @@ rule aggregate:
         cells=all_cells(),
         stops=all_server_stops(),
     output:
-        requests=paths.REQUESTS_TABLE,
-        summary=paths.SUMMARY_TABLE,
-        servers=paths.SERVERS_TABLE,
-        comparisons=paths.COMPARISONS_TABLE,
-        verdict=paths.VERDICT_TABLE,
-        crossovers=paths.CROSSOVERS_TABLE,
-        production=paths.PRODUCTION_TABLE,
-        gateway=paths.GATEWAY_TABLE,
-        gateway_verdict=paths.GATEWAY_VERDICT_TABLE,
+        # Every table of the run (servegrid.paths.RunTables): the job hands these very paths to the aggregation.
+        **RUN_TABLES.named(),
     log:
         "results/logs/aggregate.log",
     conda:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from servegrid import paths
 from servegrid.pipeline import slurm
-from servegrid.reporting import terminal_summary
+from servegrid.reporting import document, figure_files, terminal_summary
 from servegrid.serving import server as servers
 from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ServegridError, ServerError
-from servegrid.reporting.figure_files import figure_paths
+from servegrid.paths import RunTables
 from servegrid.serving.procs import ProcessRef
 from servegrid.config.schema import read_yaml
 
@@ -27,6 +27,8 @@ EXPERIMENT = Experiment(
     or "config.yaml",
 )
 CONFIGURATIONS = list(EXPERIMENT.configurations)
+# The run's tables, one object for the rules that write and read them and for the jobs they run.
+RUN_TABLES = RunTables()
 LANGUAGES = EXPERIMENT.languages
 REPORT_TEMPLATES = sorted(
     str(p) for p in Path("report/templates").rglob("*") if p.is_file()
@@ -204,18 +206,11 @@ def stop_all_servers(reason):
 
 
 def report_inputs(wildcards):
-    return {
-        "summary": paths.SUMMARY_TABLE,
-        "comparisons": paths.COMPARISONS_TABLE,
-        "servers": paths.SERVERS_TABLE,
-        "figures": figure_paths(
+    # The tables the report reads, as servegrid.reporting.document declares them.
+    return RUN_TABLES.named(document.TABLES_READ) | {
+        "figures": figure_files.figure_paths(
             EXPERIMENT, paths.FIGURES_LANG_DIR.format(lang=wildcards.lang)
         ),
-        "verdict": paths.VERDICT_TABLE,
-        "crossovers": paths.CROSSOVERS_TABLE,
-        "production": paths.PRODUCTION_TABLE,
-        "gateway": paths.GATEWAY_TABLE,
-        "gateway_verdict": paths.GATEWAY_VERDICT_TABLE,
         "templates": REPORT_TEMPLATES,
         "catalogue": f"report/locales/{wildcards.lang}/LC_MESSAGES/messages.po",
     }

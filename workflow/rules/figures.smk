@@ -3,13 +3,11 @@
 
 rule figures:
     input:
-        summary=paths.SUMMARY_TABLE,
-        comparisons=paths.COMPARISONS_TABLE,
-        requests=paths.REQUESTS_TABLE,
-        gateway=paths.GATEWAY_TABLE,
+        # The tables the figures read, as servegrid.reporting.figure_files declares them.
+        **RUN_TABLES.named(figure_files.TABLES_READ),
         catalogue="report/locales/{lang}/LC_MESSAGES/messages.po",
     output:
-        figure_paths(EXPERIMENT, paths.FIGURES_LANG_DIR),
+        figure_files.figure_paths(EXPERIMENT, paths.FIGURES_LANG_DIR),
     log:
         "results/logs/figures/{lang}.log",
     conda:

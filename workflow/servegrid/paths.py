@@ -6,6 +6,11 @@ decided once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Protocol
+
 RESULTS = "results"
 STATE_DIR = f"{RESULTS}/.servegrid"  # runtime state of live servers: not a DAG artefact
 
@@ -44,3 +49,43 @@ def server_stop(configuration: str) -> str:
 
 def server_log_dir(configuration: str) -> str:
     return SERVER_LOG_DIR_PATTERN.format(configuration=configuration)
+
+
+class Named(Protocol):
+    """Named files: a Snakemake job's ``input`` or ``output``, or a dict."""
+
+    def items(self) -> Iterable[tuple[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class RunTables:
+    """The Parquet tables of a run, one path each: aggregation writes every one, the figures, the report and the
+    exports read theirs. The Snakemake jobs and the CLI take this one object, so a stage run by hand reads and
+    writes exactly the files its rule declares."""
+
+    requests: str = REQUESTS_TABLE
+    summary: str = SUMMARY_TABLE
+    servers: str = SERVERS_TABLE
+    comparisons: str = COMPARISONS_TABLE
+    verdict: str = VERDICT_TABLE
+    crossovers: str = CROSSOVERS_TABLE
+    production: str = PRODUCTION_TABLE
+    gateway: str = GATEWAY_TABLE
+    gateway_verdict: str = GATEWAY_VERDICT_TABLE
+
+    @classmethod
+    def under(cls, folder: str | Path) -> RunTables:
+        """Every table under its usual file name in ``folder`` (tests, and runs kept apart)."""
+        return cls(**{name: str(Path(folder) / Path(path).name) for name, path in asdict(cls()).items()})
+
+    @classmethod
+    def from_named(cls, named: Named) -> RunTables:
+        """The tables a Snakemake job names in its input or output (other names ignored); the rest where they
+        usually are."""
+        given = dict(named.items())
+        return cls(**{f.name: str(given[f.name]) for f in fields(cls) if f.name in given})
+
+    def named(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """``{name: path}`` of ``names`` (every table by default): a rule's named input or output."""
+        every = asdict(self)
+        return {name: every[name] for name in (every if names is None else names)}

@@ -3,8 +3,8 @@ verdict through it differs.
 
 Added latency of a figure at percentile q = q-th percentile through the gateway − q-th percentile direct, for
 the same cell (same server, same workload; the phases alternate within the cell). Its 95% interval is a
-bootstrap: both sides resampled independently (:data:`servegrid.stats.intervals.RESAMPLES` times, a seed per cell), the
-difference of their percentiles taken each time. p99 is given only where both sides have the samples the tail
+bootstrap: both sides resampled independently (:data:`servegrid.stats.intervals.RESAMPLES` times, a seed per
+cell), the difference of their percentiles taken each time. p99 is given only where both sides have the samples the tail
 rule asks for (servegrid.stats.sampling.tail_allowed), as everywhere else in servegrid.
 
 Figures: TTFT, e2e, and the per-token inter-token latency as each request's mean (TPOT = (e2e − TTFT) / (output
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from servegrid.analysis import verdict
+from servegrid.analysis.requests_table import CELL_KEYS
+from servegrid.analysis.summary_table import summarize
 from servegrid.config import Experiment
 from servegrid.stats import intervals, sampling
 
-CELL_KEYS = ["configuration", "mode", "context", "concurrency"]
 FIGURES = ("ttft_s", "tpot_s", "e2e_s")
 PERCENTILES = (50, 99)
 
@@ -113,11 +113,10 @@ def tables(
     proxied: pd.DataFrame,
     metas: list[dict[str, Any]],
     comparisons: pd.DataFrame,
-    summarize: Callable[[pd.DataFrame, list[dict[str, Any]], Experiment], pd.DataFrame],
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The gateway's added latency and the verdict through it beside the direct one (empty unless cells went
     both ways). ``direct``/``proxied``: derived request rows of each route; ``metas``: every route's cell metas;
-    ``comparisons``: the direct verdict's; ``summarize``: servegrid.analysis.aggregation's, for the proxied cells."""
+    ``comparisons``: the direct verdict's; the proxied cells are summarized as the direct ones are."""
     changes = verdict_changes(pd.DataFrame(), pd.DataFrame())
     if experiment.route != "both" or proxied.empty:
         return pd.DataFrame(), changes

@@ -30,6 +30,7 @@ from typing import Any
 from servegrid import paths
 from servegrid.config import Cell, Experiment
 from servegrid.errors import ConfigError, guarded
+from servegrid.paths import RunTables
 from servegrid.pipeline import logging_setup
 from servegrid.serving import procs, server
 
@@ -138,18 +139,8 @@ def _grid_cells_present(experiment: Experiment) -> list[str]:
 def cmd_aggregate(experiment: Experiment, args: argparse.Namespace) -> int:
     from servegrid.analysis import aggregation
 
-    summary = aggregation.aggregate(
-        experiment,
-        _grid_cells_present(experiment),
-        requests_out=paths.REQUESTS_TABLE,
-        summary_out=paths.SUMMARY_TABLE,
-        servers_out=paths.SERVERS_TABLE,
-        comparisons_out=paths.COMPARISONS_TABLE,
-        verdict_out=paths.VERDICT_TABLE,
-        crossovers_out=paths.CROSSOVERS_TABLE,
-        production_out=paths.PRODUCTION_TABLE,
-    )
-    print(f"{len(summary)} cells → {paths.SUMMARY_TABLE}")
+    summary = aggregation.aggregate(experiment, _grid_cells_present(experiment), RunTables())
+    print(f"{len(summary)} cells → {RunTables().summary}")
     return 0
 
 
@@ -157,11 +148,7 @@ def cmd_figures(experiment: Experiment, args: argparse.Namespace) -> int:
     from servegrid.reporting import figures
 
     for lang in experiment.languages:
-        out_dir = Path(paths.FIGURES_DIR) / lang
-        drawn = figures.draw_all(
-            experiment, paths.SUMMARY_TABLE, paths.COMPARISONS_TABLE, out_dir, lang, requests_path=paths.REQUESTS_TABLE
-        )
-        for path in drawn:
+        for path in figures.draw_all(experiment, RunTables(), Path(paths.FIGURES_LANG_DIR.format(lang=lang)), lang):
             print(path)
     return 0
 
@@ -173,19 +160,7 @@ def cmd_report(experiment: Experiment, args: argparse.Namespace) -> int:
     for lang in args.lang or experiment.languages:
         html = paths.REPORT_PATTERN.format(lang=lang, ext="html") if "html" in formats else None
         pdf = paths.REPORT_PATTERN.format(lang=lang, ext="pdf") if "pdf" in formats else None
-        document.render(
-            experiment,
-            lang,
-            summary_path=paths.SUMMARY_TABLE,
-            comparisons_path=paths.COMPARISONS_TABLE,
-            verdict_path=paths.VERDICT_TABLE,
-            crossovers_path=paths.CROSSOVERS_TABLE,
-            production_path=paths.PRODUCTION_TABLE,
-            servers_path=paths.SERVERS_TABLE,
-            figures_dir=Path(paths.FIGURES_DIR) / lang,
-            html_out=html,
-            pdf_out=pdf,
-        )
+        document.render(experiment, lang, RunTables(), Path(paths.FIGURES_LANG_DIR.format(lang=lang)), html, pdf)
         print("\n".join(written for written in (html, pdf) if written))
     return 0
 

@@ -20,6 +20,7 @@ from typing import Any
 from servegrid import atomic
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, guarded
+from servegrid.paths import RunTables
 from servegrid.pipeline import logging_setup
 from servegrid.serving import server
 
@@ -92,39 +93,19 @@ def build_model(smk: Any) -> None:
 
 
 def aggregate(smk: Any) -> None:
-    from servegrid.analysis import aggregation as agg
+    from servegrid.analysis import aggregation
 
     def body(experiment: Experiment) -> None:
-        agg.aggregate(
-            experiment,
-            list(smk.input.cells),
-            requests_out=smk.output.requests,
-            summary_out=smk.output.summary,
-            servers_out=smk.output.servers,
-            comparisons_out=smk.output.comparisons,
-            verdict_out=smk.output.verdict,
-            crossovers_out=smk.output.crossovers,
-            production_out=smk.output.production,
-            gateway_out=smk.output.gateway,
-            gateway_verdict_out=smk.output.gateway_verdict,
-        )
+        aggregation.aggregate(experiment, list(smk.input.cells), RunTables.from_named(smk.output))
 
     _run(smk, body)
 
 
 def figures(smk: Any) -> None:
-    from servegrid.reporting import figures as fig
+    from servegrid.reporting import figures as drawing
 
     def body(experiment: Experiment) -> None:
-        fig.draw_all(
-            experiment,
-            smk.input.summary,
-            smk.input.comparisons,
-            Path(smk.params.out_dir),
-            smk.wildcards.lang,
-            requests_path=smk.input.requests,
-            gateway_path=smk.input.gateway,
-        )
+        drawing.draw_all(experiment, RunTables.from_named(smk.input), Path(smk.params.out_dir), smk.wildcards.lang)
 
     _run(smk, body)
 
@@ -133,21 +114,14 @@ def render_report(smk: Any) -> None:
     from servegrid.reporting import document
 
     def body(experiment: Experiment) -> None:
+        out = smk.output[0]  # report_html or report_pdf: one document per job
         document.render(
             experiment,
-            lang=smk.wildcards.lang,
-            summary_path=smk.input.summary,
-            comparisons_path=smk.input.comparisons,
-            verdict_path=smk.input.verdict,
-            crossovers_path=smk.input.crossovers,
-            production_path=smk.input.production,
-            gateway_path=smk.input.gateway,
-            gateway_verdict_path=smk.input.gateway_verdict,
-            servers_path=smk.input.servers,
-            figures_dir=Path(smk.params.figures_dir),
-            # report_html or report_pdf: one document per job.
-            html_out=smk.output[0] if smk.output[0].endswith(".html") else None,
-            pdf_out=smk.output[0] if smk.output[0].endswith(".pdf") else None,
+            smk.wildcards.lang,
+            RunTables.from_named(smk.input),
+            Path(smk.params.figures_dir),
+            html_out=out if out.endswith(".html") else None,
+            pdf_out=out if out.endswith(".pdf") else None,
         )
 
     _run(smk, body)

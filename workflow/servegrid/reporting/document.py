@@ -27,6 +27,7 @@ from servegrid import atomic
 from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ReportError
 from servegrid.languages import REPORT_ROOT
+from servegrid.paths import RunTables
 from servegrid.reporting import gateway_section
 from servegrid.reporting.catalogues import Formatter, load_catalog
 from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, figure_specs
@@ -135,37 +136,31 @@ def render_html(
     )
 
 
+# The tables the report shows: the report rules declare these as their inputs (with the figures and templates).
+TABLES_READ = ("summary", "comparisons", "servers", "verdict", "crossovers", "production", "gateway", "gateway_verdict")
+
+
 def render(
     experiment: Experiment,
     lang: str,
-    summary_path: str,
-    comparisons_path: str,
-    servers_path: str,
+    tables: RunTables,
     figures_dir: Path,
     html_out: str | None = None,
     pdf_out: str | None = None,
-    verdict_path: str | None = None,
-    crossovers_path: str | None = None,
-    production_path: str | None = None,
-    gateway_path: str | None = None,
-    gateway_verdict_path: str | None = None,
 ) -> None:
     """The report in ``lang``: the HTML page to ``html_out`` and/or the PDF to ``pdf_out`` (each its own job)."""
     HTML = _pdf_engine() if pdf_out else None  # first: a host without the PDF stack fails before any work
+    read = {name: read_table(path) for name, path in tables.named(TABLES_READ).items()}
     data = ReportData(
         experiment,
-        read_table(summary_path),
-        read_table(comparisons_path),
-        read_table(servers_path),
-        verdict=read_table(verdict_path) if verdict_path else None,
-        crossovers=read_table(crossovers_path) if crossovers_path else None,
-        production=read_table(production_path) if production_path else None,
+        read["summary"],
+        read["comparisons"],
+        read["servers"],
+        verdict=read["verdict"],
+        crossovers=read["crossovers"],
+        production=read["production"],
     )
-    data.gateway = gateway_section.view(
-        experiment,
-        read_table(gateway_path) if gateway_path else None,
-        read_table(gateway_verdict_path) if gateway_verdict_path else None,
-    )
+    data.gateway = gateway_section.view(experiment, read["gateway"], read["gateway_verdict"])
     prov = provenance(experiment)
     if html_out:
         atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))

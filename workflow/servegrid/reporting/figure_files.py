@@ -1,4 +1,4 @@
-"""Which figures a run draws, and under which file names: each enabled mode's own figures
+"""Which figures a run draws, from which tables, and under which file names: each enabled mode's own figures
 (:attr:`servegrid.modes.Mode.figures`) and the figures of the whole run.
 
 No plotting library is imported here: the Snakefile reads this to know every
@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 # sharp in print (a wide figure is printed smaller, and so finer).
 FORMATS = ("png",)
 FIGURE_DPI = 200
+
+# The tables the figures are drawn from (servegrid.paths.RunTables): the figures rule declares these as its inputs.
+TABLES_READ = ("summary", "comparisons", "requests", "gateway")
 
 # Figures of the whole run, after the modes' own.
 RUN_FIGURES = (

@@ -33,8 +33,9 @@ from servegrid import atomic, modes
 from servegrid.config import Experiment
 from servegrid.errors import ReportError
 from servegrid.modes.base import FigureSpec
+from servegrid.paths import RunTables
 from servegrid.reporting.catalogues import format_number, load_catalog
-from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, figure_specs, shown_contexts
+from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, TABLES_READ, figure_specs, shown_contexts
 from servegrid.reporting.run_figures import RunFigures
 from servegrid.stats import intervals
 
@@ -264,20 +265,15 @@ class Painter(RunFigures):
         return fig
 
 
-def draw_all(
-    experiment: Experiment,
-    summary_path: str,
-    comparisons_path: str,
-    out_dir: Path,
-    lang: str,
-    requests_path: str | None = None,
-    gateway_path: str | None = None,
-) -> list[Path]:
+def draw_all(experiment: Experiment, tables: RunTables, out_dir: Path, lang: str) -> list[Path]:
+    """Every figure of the run in ``lang`` (PNG) into ``out_dir``; returns the files written."""
     # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
-    optional = [pd.read_parquet(path) if path else None for path in (requests_path, gateway_path)]
-    tables = [pd.read_parquet(summary_path), pd.read_parquet(comparisons_path)]
-    painter = Painter(experiment, *tables, translations.gettext, str(locale), lang, *optional)
+    read = {name: pd.read_parquet(path) for name, path in tables.named(TABLES_READ).items()}
+    painter = Painter(
+        experiment, read["summary"], read["comparisons"], translations.gettext, str(locale), lang, read["requests"],
+        read["gateway"],
+    )  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for mode, spec in figure_specs(experiment):
