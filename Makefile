@@ -66,6 +66,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/snakemake --lint --configfile config.yaml -n
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo -n
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo-proxy -n

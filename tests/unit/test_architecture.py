@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,57 +28,91 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """servegrid module → the servegrid modules it imports at run time, anywhere in it (functions too)."""
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """servegrid module → the servegrid modules it imports: anywhere in it (functions too), and for annotations
+    only (``if TYPE_CHECKING:``) too. ``from servegrid.x import y`` is an edge to the module ``servegrid.x.y`` when
+    there is one, else to ``servegrid.x``."""
+    modules = {module_name(path): path for path in package.rglob("*.py")}
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = module_name(path)
+    for name, path in modules.items():
         edges = graph.setdefault(name, set())
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        # Imports for annotations only (if TYPE_CHECKING:) never run: not an edge.
-        typing_only = {
-            id(inner)
-            for block in ast.walk(tree)
-            if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-            for inner in ast.walk(block)
-        }
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
+                edges |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
                 assert not node.level, f"{path}: relative import (the package imports absolutely)"
                 base = node.module or ""
-                # "from servegrid import stats" imports the module servegrid.stats.intervals
-                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
-            else:
-                continue
-            edges |= {t for t in targets if t.startswith("servegrid")}
-    modules = set(graph)
-    # Keep edges to modules (not to names inside them); a parent package is not an edge.
+                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
     return {m: {t for t in targets if t in modules and t != m} for m, targets in graph.items()}
 
 
-def test_the_import_graph_has_no_cycle():
-    graph = import_graph()
-    assert "servegrid.modes.decode" in graph and "servegrid.engines.vllm" in graph
+def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
+    """The first import circle found, as a path that ends where it starts; None if there is none."""
     state: dict[str, str] = {}
 
-    def visit(node: str, path: list[str]) -> None:
+    def visit(node: str, path: list[str]) -> list[str] | None:
         state[node] = "open"
         for nxt in sorted(graph[node]):
-            if nxt.startswith(node + "."):
-                continue  # a package importing its own submodules (registration) is not a cycle
             if state.get(nxt) == "open":
-                raise AssertionError("import cycle: " + " → ".join([*path[path.index(nxt) :], nxt]))
-            if nxt not in state:
-                visit(nxt, [*path, nxt])
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
         state[node] = "done"
+        return None
 
     for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_circle_of_any_kind():
+    """Not even through a type-only import, or a package's own ``__init__`` (which would make one)."""
+    graph = import_graph()
+    assert "servegrid.modes.decode" in graph and "servegrid.modes.runner" in graph["servegrid.measuring.measured_phase"]
+    assert cycle_in(graph) is None, " → ".join(cycle_in(graph) or [])
+
+
+def lint_imports(package_parent: Path = PACKAGE.parent) -> subprocess.CompletedProcess[str]:
+    """import-linter's contracts (pyproject.toml) over the package found in ``package_parent``."""
+    command = [str(Path(sys.executable).parent / "lint-imports"), "--config", str(REPO / "pyproject.toml"),
+               "--no-cache"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    return subprocess.run(command, capture_output=True, text=True, cwd=package_parent, env=env, timeout=120)
+
+
+def test_imports_go_down_the_layers_only():
+    """pipeline → reporting → analysis | serving | measuring → config → modes → records | stats | engines → the
+    root's modules, siblings never importing each other, the package never importing ``testing``: no exception."""
+    result = lint_imports()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 2 kept, 0 broken." in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "planted", "broken"),
+    [
+        # an upward import, only for annotations
+        (
+            "records/request.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from servegrid.analysis import verdict",
+            "records",
+        ),
+        # a sibling's, inside a function
+        ("serving/state.py", "def _planted():\n    from servegrid.measuring import client", "serving"),
+        # the test tools, from the pipeline
+        ("pipeline/cli.py", "import servegrid.testing.calibration", "testing"),
+    ],
+)
+def test_a_planted_upward_import_breaks_the_layers(tmp_path, module, planted, broken):
+    copy = tmp_path / "servegrid"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / module
+    source = target.read_text(encoding="utf-8")
+    target.write_text(f"{source}\n\nfrom typing import TYPE_CHECKING\n\n{planted}\n", encoding="utf-8")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0 and "broken" in result.stdout, result.stdout + result.stderr
+    assert f"servegrid.{broken}" in result.stdout.split("Broken contracts", 1)[1]
 
 
 # Modules the measuring client, the plots and the PDF are not for: importing one must not load them.
@@ -94,6 +130,11 @@ LIGHT = [
     "servegrid.serving.server",
     "servegrid.serving.supervisor",
     "servegrid.errors",
+    "servegrid.modes.runner",
+    "servegrid.config.checks",
+    "servegrid.analysis.summary_table",
+    "servegrid.reporting.contents",
+    "servegrid.paths",
 ]
 HEAVY = ["aiohttp", "seaborn", "matplotlib", "weasyprint", "servegrid.testing"]
 
@@ -104,13 +145,6 @@ def test_light_modules_do_not_load_the_client_the_plots_or_the_pdf(module):
     code = f"import sys, json, {module}; print(json.dumps({loaded}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert json.loads(out.stdout) == [], f"{module} loads {out.stdout}"
-
-
-def test_the_pipeline_never_imports_the_testing_subpackage():
-    graph = import_graph()
-    offenders = [m for m, targets in graph.items() if not m.startswith("servegrid.testing")
-                 and any(t.startswith("servegrid.testing") for t in targets)]  # fmt: skip
-    assert offenders == []
 
 
 def test_no_module_grows_past_300_lines_without_saying_why():

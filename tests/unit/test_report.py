@@ -143,13 +143,13 @@ def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo
     """Both configurations' multi-turn cells at 4 sessions ran into the KV capacity (preemptions): the verdict's
     KV row says neither, with the servers' pool and the most tokens those cells held at once (the seed's third
     row and its explanation)."""
-    from servegrid.reporting.report_contents import ReportData
+    from servegrid.reporting.contents import ReportContents
 
     experiment, cells = demo_grid
     tables = with_a_kv_limited_corner(experiment, cells, tmp_path)
     (kv_row,) = tables["verdict"][tables["verdict"]["outcome"] == "kv_limit"].to_dict("records")
     assert (kv_row["min_context"], kv_row["min_concurrency"]) == (1024, 4)
-    data = ReportData(experiment, tables["summary"], tables["comparisons"], tables["servers"],
+    data = ReportContents(experiment, tables["summary"], tables["comparisons"], tables["servers"],
                       verdict=tables["verdict"], crossovers=tables["crossovers"],
                       production=tables["production"])  # fmt: skip
     html = document.render_html(
@@ -167,17 +167,17 @@ def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo
 def test_a_large_grids_pdf_lists_only_the_cells_that_need_a_look(demo_grid, tmp_path, monkeypatch):  # noqa: F811
     """Over PRINT_EVERY_CELL_UP_TO cells the printed details keep the cells that need a look (here the
     KV-limited corner) and say where the rest are; the HTML's details keep every cell."""
-    from servegrid.reporting import report_contents
+    from servegrid.reporting.contents import ReportContents, details
 
     experiment, cells = demo_grid
     tables = with_a_kv_limited_corner(experiment, cells, tmp_path)
     summary = tables["summary"]
     flagged = set(summary.loc[summary["kv_limited"], "cell_id"])
     assert flagged and len(flagged) < len(summary)
-    monkeypatch.setattr(report_contents, "PRINT_EVERY_CELL_UP_TO", len(summary) - 1)
+    monkeypatch.setattr(details, "PRINT_EVERY_CELL_UP_TO", len(summary) - 1)
 
     def details(medium: str) -> str:
-        data = report_contents.ReportData(experiment, summary, tables["comparisons"], tables["servers"],
+        data = ReportContents(experiment, summary, tables["comparisons"], tables["servers"],
                                       verdict=tables["verdict"], crossovers=tables["crossovers"],
                                       production=tables["production"])  # fmt: skip
         html = document.render_html(experiment, "pt", data, tmp_path / "no-figures", medium,
@@ -201,7 +201,7 @@ def test_a_figure_of_one_panel_per_context_shows_at_most_six_and_says_which(demo
     from babel import Locale
 
     from servegrid.config import Experiment
-    from servegrid.reporting.report_contents import ReportData
+    from servegrid.reporting.contents import ReportContents
 
     portuguese = Locale.parse("pt_BR")
     assert figure_files.shown_contexts(list(range(13))) == [0, 2, 5, 7, 10, 12]  # both ends, evenly between
@@ -209,7 +209,9 @@ def test_a_figure_of_one_panel_per_context_shows_at_most_six_and_says_which(demo
     experiment = Experiment(demo_raw)
     contexts = [256 * (i + 1) for i in range(13)]
     summary = pd.DataFrame({"mode": ["decode"] * 13, "context": contexts})
-    data = ReportData(experiment, summary, pd.DataFrame(), pd.DataFrame(), formatter=catalogues.Formatter(portuguese))
+    data = ReportContents(
+        experiment, summary, pd.DataFrame(), pd.DataFrame(), formatter=catalogues.Formatter(portuguese)
+    )
     by_concurrency, pareto = modes.get("decode").figures
     assert data.panels_shown("decode", by_concurrency) == {"shown": "256, 768, 1.536, 2.048, 2.816, 3.328",
                                                           "total": "13"}  # fmt: skip

@@ -28,10 +28,10 @@ from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ReportError
 from servegrid.languages import REPORT_ROOT
 from servegrid.paths import RunTables
-from servegrid.reporting import gateway_section
 from servegrid.reporting.catalogues import Formatter, load_catalog
+from servegrid.reporting.contents import ReportContents
+from servegrid.reporting.contents.gateway import gateway_view
 from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, figure_specs
-from servegrid.reporting.report_contents import ReportData
 
 TEMPLATES = REPORT_ROOT / "templates"
 
@@ -112,7 +112,7 @@ def environment(lang: str) -> tuple[jinja2.Environment, Formatter, Any]:
 
 
 def render_html(
-    experiment: Experiment, lang: str, data: ReportData, figures_dir: Path, medium: str, prov: dict[str, Any]
+    experiment: Experiment, lang: str, data: ReportContents, figures_dir: Path, medium: str, prov: dict[str, Any]
 ) -> str:
     env, fmt, translations = environment(lang)
     data.formatter, data.gettext, data.lang = fmt, translations.gettext, lang
@@ -151,7 +151,7 @@ def render(
     """The report in ``lang``: the HTML page to ``html_out`` and/or the PDF to ``pdf_out`` (each its own job)."""
     HTML = _pdf_engine() if pdf_out else None  # first: a host without the PDF stack fails before any work
     read = {name: read_table(path) for name, path in tables.named(TABLES_READ).items()}
-    data = ReportData(
+    data = ReportContents(
         experiment,
         read["summary"],
         read["comparisons"],
@@ -160,7 +160,7 @@ def render(
         crossovers=read["crossovers"],
         production=read["production"],
     )
-    data.gateway = gateway_section.view(experiment, read["gateway"], read["gateway_verdict"])
+    data.gateway = gateway_view(experiment, read["gateway"], read["gateway_verdict"])
     prov = provenance(experiment)
     if html_out:
         atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))

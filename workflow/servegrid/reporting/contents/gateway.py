@@ -49,7 +49,9 @@ def _value(row: dict[str, Any], name: str) -> float | None:
     return None if intervals.missing(value) else float(value)
 
 
-def view(experiment: Experiment, added: pd.DataFrame | None, changes: pd.DataFrame | None) -> GatewayView | None:
+def gateway_view(
+    experiment: Experiment, added: pd.DataFrame | None, changes: pd.DataFrame | None
+) -> GatewayView | None:
     """The section's data, or None when the run did not go through a gateway."""
     proxy = experiment.proxy
     if experiment.route == "direct" or proxy is None:
