@@ -124,6 +124,20 @@ def test_second_run_does_nothing_and_starts_no_server(pipeline_run):
     assert not re.search(r"rule (cell|server_spec):", again.stdout + again.stderr)
 
 
+def test_a_newer_job_script_reruns_nothing(pipeline_run):
+    """A git pull or a fresh checkout that rewrites workflow/scripts/*.py (the thin job wrappers) changes nothing a
+    cell measured: without Snakemake's "code" trigger (profiles/default) it plans nothing at all. With it, the
+    newer run_cell.py alone would re-measure every cell."""
+    workdir, _ = pipeline_run
+    for script in (workdir / "workflow" / "scripts").glob("*.py"):
+        script.touch()
+    dry = snakemake(workdir, "-n", "--cores", "1", "report", "--configfile", "test.yaml")
+    assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout[-3000:]
+    with_code = snakemake(workdir, "-n", "--cores", "1", "report", "--configfile", "test.yaml",
+                          "--rerun-triggers", "code", "params")  # fmt: skip
+    assert re.search(r"rule cell:", with_code.stdout + with_code.stderr)  # what the profile's choice prevents
+
+
 # ---- partial reruns: each edit plans exactly the cells it invalidated -------------------------------
 
 

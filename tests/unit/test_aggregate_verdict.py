@@ -167,7 +167,7 @@ def test_mismatches_and_errors_invalidate_a_cell_and_keep_it_out_of_the_verdict(
 def test_verdict_primary_values_filter_turn_and_validity(demo_grid, tmp_path):
     experiment, cells = demo_grid
     requests = run_aggregate(experiment, cells, tmp_path)["requests"]
-    values = verdict.primary_values(requests, "ngram", "multi_turn", 1024, 4)
+    values = verdict.values_of_cell(requests, "ngram", "multi_turn", 1024, 4)
     assert len(values) == 30
     assert np.median(values) == pytest.approx(0.3, rel=0.06)
 

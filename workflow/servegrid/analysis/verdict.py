@@ -34,7 +34,7 @@ __all__ = [
     "crossovers",
     "decisive",
     "duels",
-    "primary_values",
+    "values_of_cell",
 ]
 
 GROUP_KEYS = ["mode", "context", "concurrency"]
@@ -43,7 +43,8 @@ GROUP_KEYS = ["mode", "context", "concurrency"]
 CellValues = dict[tuple[str, str, int, int], np.ndarray]  # primary values by (configuration, *GROUP_KEYS)
 
 
-def primary_values(requests: pd.DataFrame, configuration: str, mode: str, context: int, concurrency: int) -> np.ndarray:
+def values_of_cell(requests: pd.DataFrame, configuration: str, mode: str, context: int, concurrency: int) -> np.ndarray:
+    """One cell's primary values (its mode's figure of its valid measured requests)."""
     return primary_values_by_cell(requests).get((configuration, mode, context, concurrency), np.empty(0))
 
 

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 StopReason = Literal["precise", "max_samples", "max_duration", "fixed", "no_samples"]
 
 
-def primary_values(request_records: list[RequestRecord], primary: Primary) -> np.ndarray:
+def samples_so_far(request_records: list[RequestRecord], primary: Primary) -> np.ndarray:
     """The primary figure of every valid measured request so far (of the primary turn only, where it has one)."""
     if not request_records:
         return np.empty(0)
@@ -86,7 +86,7 @@ class StagePlan:
             )
             n = 0
         else:
-            values = primary_values(request_records, self.primary)
+            values = samples_so_far(request_records, self.primary)
             n = int(values.size)
             self.stages[-1]["n_after"] = n
             rounds = self._after_stage(values, elapsed_s)
