@@ -13,8 +13,8 @@ Per configuration the host's folder holds:
 - ``<configuration>.facts.json``: the :class:`~servegrid.serving.server.ServerFacts`
   of the server that is up, written once it is healthy and warmed up;
 - ``<configuration>.failed.json``: why its last start failed, and for whom;
-- ``<configuration>.launch.json``: what its supervisor launches (owner-only:
-  it carries the environment, API key included);
+- ``<configuration>.launch.json``: what its supervisor launches (owner-only; no environment: that, API key
+  included, reaches the supervisor in its own environment, never on disk);
 - (node-local) ``<configuration>.lease``: the lock a cell holds while it uses the server;
 
 plus, node-local, one lock that serialises every decision about which servers run.
