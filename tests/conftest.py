@@ -16,6 +16,9 @@ from helpers import REPO, free_port_range
 from servegrid.serving import server
 from servegrid.testing.calibration import RunningServer, Script
 
+# The time budget every run prints at its end (time per folder, the slowest tests and what they spent it on).
+pytest_plugins = ["helpers.budget"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def host_claims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

@@ -1,0 +1,189 @@
+"""The suite's time budget, printed at the end of every run: the time of each test folder, and the ten slowest
+tests with what each spent its time on (server starts in the test's own process, Snakemake runs it started,
+sleeps of its main thread).
+
+Counting happens where the test runs (an xdist worker, or the one process) and travels to the process that
+prints, on the test's report (``user_properties``). ``make test`` runs the suite in two sessions (the unit tests
+on both cores, then the tests that keep the machine to themselves): the first writes its rows to
+``results/test-budget.json`` (``--budget-out``), the second reads them (``--budget-in``) and prints one table
+for both.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# What a start's wait_healthy waited for: the object it was given, by class name.
+START_KINDS = {"VLLMEngine": "vLLM", "CalibrationEngine": "calibration", "LiteLLMProbe": "LiteLLM"}
+
+
+@dataclass
+class Spent:
+    """What one test spent its time on, as far as its own process can see."""
+
+    starts: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    snakemake: list[float] = field(default_factory=list)
+    sleep_s: float = 0.0
+    starting: bool = False
+
+    def describe(self) -> str:
+        parts = [f"{len(s)} {kind} start(s) {sum(s):.0f} s" for kind, s in sorted(self.starts.items())]
+        if self.snakemake:
+            parts.append(f"{len(self.snakemake)} Snakemake run(s) {sum(self.snakemake):.0f} s")
+        if self.sleep_s >= 0.5:
+            parts.append(f"sleeps {self.sleep_s:.0f} s")
+        return "; ".join(parts) or "-"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"starts": dict(self.starts), "snakemake": self.snakemake, "sleep_s": self.sleep_s}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Spent:
+        spent = cls(snakemake=list(raw["snakemake"]), sleep_s=float(raw["sleep_s"]))
+        for kind, seconds in raw["starts"].items():
+            spent.starts[kind] = list(seconds)
+        return spent
+
+
+CURRENT = Spent()
+
+
+def _instrument() -> None:
+    """Wrap, once per process, what the budget counts: server starts (servegrid's wait for health), Snakemake
+    subprocesses (from their start to the end of their wait) and the main thread's sleeps."""
+    from servegrid.serving import launch, server
+
+    original_wait = launch.wait_healthy
+
+    def timed_wait(waited_for: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        CURRENT.starting = True  # its polls are the start's time, not sleeps of the test's
+        try:
+            return original_wait(waited_for, *args, **kwargs)
+        finally:
+            CURRENT.starting = False
+            kind = START_KINDS.get(type(waited_for).__name__, type(waited_for).__name__)
+            CURRENT.starts[kind].append(time.monotonic() - started)
+
+    launch.wait_healthy = timed_wait
+    server.wait_healthy = timed_wait  # server.py holds its own name for it
+
+    original_init, original_wait_proc = subprocess.Popen.__init__, subprocess.Popen.wait
+
+    def init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:  # type: ignore[type-arg]
+        argv = args[0] if args else kwargs.get("args", ())
+        words = [argv] if isinstance(argv, str | bytes) else list(argv)
+        self._budget_started = time.monotonic() if any("snakemake" in str(w) for w in words) else None
+        original_init(self, *args, **kwargs)
+
+    def wait(self: subprocess.Popen, *args: Any, **kwargs: Any) -> int:  # type: ignore[type-arg]
+        code = original_wait_proc(self, *args, **kwargs)
+        started = getattr(self, "_budget_started", None)
+        if started is not None:
+            CURRENT.snakemake.append(time.monotonic() - started)
+            self._budget_started = None
+        return code
+
+    subprocess.Popen.__init__ = init  # type: ignore[method-assign]
+    subprocess.Popen.wait = wait  # type: ignore[method-assign]
+
+    original_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread() and not CURRENT.starting:
+            CURRENT.sleep_s += seconds
+        original_sleep(seconds)
+
+    time.sleep = sleep
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("budget")
+    group.addoption("--budget-out", default=None, help="write this session's budget rows to FILE (JSON)")
+    group.addoption("--budget-in", default=None, help="add the budget rows an earlier session wrote to FILE")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _instrument()
+    config.pluginmanager.register(Budget(config), "servegrid-budget")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    global CURRENT
+    CURRENT = Spent()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    if call.when == "teardown":
+        outcome.get_result().user_properties.append(("budget", json.dumps(CURRENT.as_json())))
+
+
+class Budget:
+    """Collects every test's phases and what they spent, where the terminal summary is printed."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.started = time.monotonic()
+        self.rows: dict[str, dict[str, Any]] = {}  # nodeid → seconds, spent
+        self.sessions: list[float] = []  # wall seconds of earlier sessions (--budget-in)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        row = self.rows.setdefault(report.nodeid, {"seconds": 0.0, "spent": Spent()})
+        row["seconds"] += report.duration
+        for name, value in report.user_properties:
+            if name == "budget":
+                row["spent"] = Spent.from_json(json.loads(value))
+
+    def _all_rows(self) -> dict[str, dict[str, Any]]:
+        rows = dict(self.rows)
+        path = self.config.getoption("--budget-in")
+        if path and Path(path).exists():
+            earlier = json.loads(Path(path).read_text(encoding="utf-8"))
+            self.sessions = list(earlier["sessions"])
+            for nodeid, row in earlier["rows"].items():
+                rows.setdefault(nodeid, {"seconds": row["seconds"], "spent": Spent.from_json(row["spent"])})
+        return rows
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        wall = time.monotonic() - self.started
+        rows = self._all_rows()
+        out = self.config.getoption("--budget-out")
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            serial = {k: {"seconds": r["seconds"], "spent": r["spent"].as_json()} for k, r in rows.items()}
+            Path(out).write_text(json.dumps({"sessions": [*self.sessions, wall], "rows": serial}), encoding="utf-8")
+        if not rows:
+            return
+        folders: dict[str, list[float]] = defaultdict(list)
+        for nodeid, row in rows.items():
+            parts = nodeid.split("::")[0].split("/")
+            folders[parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]].append(row["seconds"])
+        write = terminalreporter.write_line
+        terminalreporter.write_sep("=", "time budget (tests/helpers/budget.py)")
+        write(f"{'folder':<14}{'tests':>7}{'test time':>12}")
+        for folder, seconds in sorted(folders.items(), key=lambda item: -sum(item[1])):
+            write(f"{folder:<14}{len(seconds):>7}{_minutes(sum(seconds)):>12}")
+        sessions = [*self.sessions, wall]
+        write(f"{'wall clock':<14}{'':>7}{_minutes(sum(sessions)):>12}   "
+              f"({' + '.join(_minutes(s) for s in sessions)}; test time adds up both cores' work)")  # fmt: skip
+        write("ten slowest tests (setup + call + teardown), and what they spent it on:")
+        for nodeid, row in sorted(rows.items(), key=lambda item: -item[1]["seconds"])[:10]:
+            write(f"  {row['seconds']:6.1f} s  {nodeid}")
+            write(f"            {row['spent'].describe()}")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
