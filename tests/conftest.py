@@ -20,6 +20,19 @@ from servegrid.testing.calibration import RunningServer, Script
 pytest_plugins = ["helpers.budget"]
 
 
+# Folders and markers whose tests keep the machine to themselves: a real server on core 0 and the client on core 1,
+# Snakemake runs, process faults with deadlines. make test runs them apart, after the rest ran on both cores.
+EXCLUSIVE_FOLDERS = ("faults", "integration", "slurm")
+EXCLUSIVE_MARKERS = ("vllm", "pipeline", "slurm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(str(item.path)).relative_to(REPO / "tests").parts[0]
+        if folder in EXCLUSIVE_FOLDERS or any(item.get_closest_marker(m) for m in EXCLUSIVE_MARKERS):
+            item.add_marker(pytest.mark.exclusive)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def host_claims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The suite's own directory of host-wide port and GPU claims (servegrid.serving.hostlocks): apart from any

@@ -20,12 +20,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
 from helpers import TEST_ENGINE_ARGS, copy_workflow, snakemake, write_yaml
 from helpers.faults import half_written, kill_survivors, vllm_config, wait_for, wait_no_survivors
 from servegrid import paths
+from servegrid.engines.vllm import VLLMEngine
 from servegrid.records import cell_file
 from servegrid.serving import state
 
@@ -63,6 +65,20 @@ def wait_measuring(workdir: Path, log: str = CELL_LOG, timeout_s: float = 600) -
     """Until the cell's server is up and the cell runs on it."""
     path = workdir / log
     assert wait_for(lambda: path.exists() and " on http://" in path.read_text(), timeout_s), "no cell started"
+
+
+def requests_started(record: dict[str, Any]) -> float:
+    """Requests the server has answered a first token to, by its own counter (servegrid's canonical name)."""
+    exposition = httpx.get(f"http://127.0.0.1:{record['port']}/metrics", timeout=5).text
+    return VLLMEngine().parse_metrics(exposition, None).get("time_to_first_token_seconds_count", 0.0)
+
+
+def wait_in_measured_phase(record: dict[str, Any], warmup_requests: int = 1) -> None:
+    """Until the cell's first measured request is under way: the server has begun the cell's warm-up requests and
+    one more since the cell started (an event on the server's own counter, not a guess at how long warm-up takes).
+    Called once the cell runs on the server (wait_measuring), so its warm-up is still to come or under way."""
+    before = requests_started(record)
+    assert wait_for(lambda: requests_started(record) >= before + warmup_requests + 1, 120), "no measured request"
 
 
 def server_record(workdir: Path, configuration: str = "prefix_cache") -> dict[str, Any]:
@@ -166,7 +182,7 @@ def chain(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def test_server_killed_mid_cell(chain, matrix):
     proc, record = chain.next_run()
-    time.sleep(3)  # into the measured phase
+    wait_in_measured_phase(record)
     os.kill(record["server"]["pid"], signal.SIGKILL)
     killed = time.monotonic()
     proc.wait(timeout=300)
@@ -181,7 +197,7 @@ def test_server_killed_mid_cell(chain, matrix):
 
 def test_engine_hang_mid_cell(chain, matrix):
     proc, record = chain.next_run(stall_floor_s=2, request_timeout_s=600)
-    time.sleep(4)  # past the warm-up, into the measured phase
+    wait_in_measured_phase(record)
     engine_core(record).send_signal(signal.SIGSTOP)  # the engine stops; the API server's /health still says 200
     stopped = time.monotonic()
     proc.wait(timeout=400)

@@ -158,6 +158,8 @@ class Budget:
         return rows
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if hasattr(self.config, "workerinput"):  # an xdist worker: its controller prints
+            return
         wall = time.monotonic() - self.started
         rows = self._all_rows()
         out = self.config.getoption("--budget-out")
@@ -179,10 +181,31 @@ class Budget:
         sessions = [*self.sessions, wall]
         write(f"{'wall clock':<14}{'':>7}{_minutes(sum(sessions)):>12}   "
               f"({' + '.join(_minutes(s) for s in sessions)}; test time adds up both cores' work)")  # fmt: skip
+        starts = _server_starts(self.config)
+        if starts:
+            write("server starts in this session, by the logs they left: "
+                  + ", ".join(f"{kind} {n}" for kind, n in sorted(starts.items())))  # fmt: skip
         write("ten slowest tests (setup + call + teardown), and what they spent it on:")
         for nodeid, row in sorted(rows.items(), key=lambda item: -item[1]["seconds"])[:10]:
             write(f"  {row['seconds']:6.1f} s  {nodeid}")
             write(f"            {row['spent'].describe()}")
+
+
+def _server_starts(config: pytest.Config) -> dict[str, int]:
+    """Every server or gateway start of the session, in the test's process or in a Snakemake it ran: each leaves a
+    log under results/servers/<name>/logs/ in its test's temporary folder (servegrid.paths.server_log_dir)."""
+    try:
+        root = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return {}
+    counts: dict[str, int] = defaultdict(int)
+    for log in root.rglob("servers/*/logs/*.log"):
+        if log.name.endswith(".supervisor.log"):
+            continue
+        with log.open("rb") as head:
+            text = head.read(20_000).decode(errors="replace").lower()
+        counts["LiteLLM" if "litellm" in text else "vLLM" if "vllm" in text else "calibration"] += 1
+    return dict(counts)
 
 
 def _minutes(seconds: float) -> str:

@@ -21,6 +21,8 @@ from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.serving import hostinfo, procs
 
+pytestmark = pytest.mark.exclusive  # the client's own timing gates, against the calibration server
+
 
 def calibration_experiment() -> Experiment:
     return Experiment(

@@ -20,6 +20,8 @@ from servegrid.measuring.client_monitor import CollectorPause
 from servegrid.records.request import RequestRecord
 from servegrid.testing.calibration import Script
 
+pytestmark = pytest.mark.exclusive  # the client's timestamps and the calibration server's schedule
+
 EVENTS = [b'data: {"a": 1}\n\n', b'data: {"b": 2}\r\n\r\n', b": keep-alive comment\n\n", b"data: [DONE]\n\n"]
 
 

@@ -21,6 +21,8 @@ from servegrid.errors import ServerError
 from servegrid.records.cell_file import METADATA_KEY
 from servegrid.serving import placement, server
 
+pytestmark = pytest.mark.exclusive  # Snakemake runs that place servers on cores
+
 
 def test_each_configuration_gets_its_own_gpus(seed_raw):
     seed = Experiment(seed_raw)

@@ -21,6 +21,8 @@ from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.serving import procs
 
+pytestmark = pytest.mark.exclusive  # sequential sampling stops on measured spreads
+
 RULE = {"target_rel_ci": 0.05, "min_samples": 8, "max_samples": 24, "max_duration_s": 60}
 
 

@@ -22,6 +22,8 @@ from helpers import fake_spec
 from servegrid.errors import ServerError
 from servegrid.serving import procs, server, state
 
+pytestmark = pytest.mark.exclusive  # process lifecycles with deadlines
+
 
 def _group_alive(pgid: int) -> list[int]:
     return [p.pid for p in procs.group_members(pgid)]
@@ -143,8 +145,9 @@ def test_supervisor_gone_the_server_is_still_stopped(sandbox):
     # A server that ignores the SIGTERM its supervisor's death sends it (see the test below) stays orphaned.
     server.ensure(fake_spec("fake", "--ignore-sigterm"), sandbox, owner=None)
     record = _record(sandbox, "fake")
-    os.kill(record["supervisor"]["pid"], signal.SIGKILL)
-    time.sleep(0.3)
+    supervisor = psutil.Process(record["supervisor"]["pid"])
+    os.kill(supervisor.pid, signal.SIGKILL)
+    supervisor.wait(10)  # gone: had it taken the server with it, that would have been on its way out
     assert _group_alive(record["pgid"])  # orphaned, still serving
     server.stop_all(sandbox)
     assert _group_alive(record["pgid"]) == []
@@ -215,15 +218,18 @@ def test_a_leased_server_is_not_stopped_under_its_cell(sandbox):
     first_pgid = _record(sandbox, "one")["pgid"]
     released = threading.Event()
 
+    holding = threading.Event()
+
     def measuring_cell() -> None:
         with server.lease("one", sandbox):
-            time.sleep(2.0)
+            holding.set()
+            time.sleep(2.0)  # the cell measures for 2 s: how long the rival must wait, not a wait for an event
             assert _group_alive(first_pgid), "stopped while a cell was using it"
         released.set()
 
     worker = threading.Thread(target=measuring_cell)
     worker.start()
-    time.sleep(0.2)
+    assert holding.wait(10), "the cell never took its lease"
     started = time.monotonic()
     server.ensure(fake_spec("two"), sandbox, owner=None)  # a CPU server: competes with "one"
     waited = time.monotonic() - started
@@ -239,14 +245,17 @@ def test_stop_waits_for_the_cell_that_holds_the_lease(sandbox):
     pgid = _record(sandbox, "one")["pgid"]
     alive_at_release = []
 
+    holding = threading.Event()
+
     def measuring_cell() -> None:
         with server.lease("one", sandbox):
-            time.sleep(1.0)
+            holding.set()
+            time.sleep(1.0)  # the cell measures for 1 s: the stop must wait that long
             alive_at_release.append(bool(_group_alive(pgid)))
 
     worker = threading.Thread(target=measuring_cell)
     worker.start()
-    time.sleep(0.2)
+    assert holding.wait(10), "the cell never took its lease"
     server.stop("one", sandbox)
     worker.join()
     assert alive_at_release == [True]
