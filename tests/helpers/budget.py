@@ -204,7 +204,9 @@ def _server_starts(config: pytest.Config) -> dict[str, int]:
             continue
         with log.open("rb") as head:
             text = head.read(20_000).decode(errors="replace").lower()
-        counts["LiteLLM" if "litellm" in text else "vLLM" if "vllm" in text else "calibration"] += 1
+        # vLLM's API server names its own module in its first lines; the calibration server may speak vLLM's dialect.
+        vllm = "vllm/entrypoints" in text or "vllm.entrypoints" in text
+        counts["LiteLLM" if "litellm" in text else "vLLM" if vllm else "calibration"] += 1
     return dict(counts)
 
 
