@@ -73,11 +73,13 @@ lint: $(VENV)/.installed
 
 # Two sessions: the tests that may share the cores, on both (pytest-xdist); then those that keep the machine to
 # themselves (marker exclusive: real servers pinned to cores, Snakemake runs, the client's timing), one at a time.
-# The second prints the time budget of both. Exit 5 (nothing selected, with PYTEST_ARGS) fails only if both had none.
+# The second prints the time budget of both (--budget-in=FILE, with '=': a FILE given apart that exists would be
+# taken for a test path before tests/conftest.py registers the option). Exit 5 (nothing selected) fails only if
+# both had none.
 test: setup system-deps lint
 	@mkdir -p results && rm -f results/test-budget.json
-	$(VENV)/bin/pytest -n 2 -m "not exclusive" --budget-out results/test-budget.json $(PYTEST_ARGS); shared=$$?; \
-	$(VENV)/bin/pytest -m exclusive --budget-in results/test-budget.json $(PYTEST_ARGS); alone=$$?; \
+	$(VENV)/bin/pytest -n 2 -m "not exclusive" --budget-out=results/test-budget.json $(PYTEST_ARGS); shared=$$?; \
+	$(VENV)/bin/pytest -m exclusive --budget-in=results/test-budget.json $(PYTEST_ARGS); alone=$$?; \
 	if [ $$shared -eq 5 ] && [ $$alone -eq 5 ]; then exit 5; fi; \
 	for code in $$shared $$alone; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 
