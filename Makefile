@@ -71,17 +71,24 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo -n
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo-proxy -n
 
-# Two sessions: the tests that may share the cores, on both (pytest-xdist); then those that keep the machine to
-# themselves (marker exclusive: real servers pinned to cores, Snakemake runs, the client's timing), one at a time.
-# The second prints the time budget of both (--budget-in=FILE, with '=': a FILE given apart that exists would be
-# taken for a test path before tests/conftest.py registers the option). Exit 5 (nothing selected) fails only if
-# both had none.
+# Three sessions (tests/conftest.py says which test goes where):
+#   1. the unit tests that may share the cores, on both (pytest-xdist);
+#   2. the heavy ones (real vLLM, LiteLLM, Slurm, Snakemake runs, faults) two at a time, each worker's servers on a
+#      core of their own, tests that share a server or a working copy together (--dist loadgroup), the longest first
+#      (--no-loadscope-reorder keeps the order tests/conftest.py gives);
+#   3. those that keep the machine to themselves (marker exclusive: the client's timing, tight deadlines), one at a time.
+# Each passes the time budget on (--budget-in=FILE / --budget-out=FILE, with '=': a FILE given apart that exists
+# would be taken for a test path before tests/conftest.py registers the option); the last prints it for all three.
+# Exit 5 (nothing selected) fails only if all three had none.
+BUDGET := results/test-budget.json
 test: setup system-deps lint
-	@mkdir -p results && rm -f results/test-budget.json
-	$(VENV)/bin/pytest -n 2 -m "not exclusive" --budget-out=results/test-budget.json $(PYTEST_ARGS); shared=$$?; \
-	$(VENV)/bin/pytest -m exclusive --budget-in=results/test-budget.json $(PYTEST_ARGS); alone=$$?; \
-	if [ $$shared -eq 5 ] && [ $$alone -eq 5 ]; then exit 5; fi; \
-	for code in $$shared $$alone; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
+	@mkdir -p results && rm -f $(BUDGET)
+	$(VENV)/bin/pytest -n 2 -m "not heavy and not exclusive" --budget-out=$(BUDGET) $(PYTEST_ARGS); shared=$$?; \
+	$(VENV)/bin/pytest -n 2 --dist loadgroup --no-loadscope-reorder -m "heavy and not exclusive" \
+		--budget-in=$(BUDGET) --budget-out=$(BUDGET) $(PYTEST_ARGS); paired=$$?; \
+	$(VENV)/bin/pytest -m exclusive --budget-in=$(BUDGET) $(PYTEST_ARGS); alone=$$?; \
+	if [ $$shared -eq 5 ] && [ $$paired -eq 5 ] && [ $$alone -eq 5 ]; then exit 5; fi; \
+	for code in $$shared $$paired $$alone; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 
 clean-results:
 	$(VENV)/bin/servegrid --config config/cpu-demo.yaml server down --all || true

@@ -9,12 +9,15 @@ first:
   compile caches (TORCHINDUCTOR_CACHE_DIR and VLLM_CACHE_ROOT in a fresh folder), as on a new machine or in CI;
 - default, warm cache: the same, started again with the cache the first start left;
 - --enforce-eager: no compilation at all (what the test suite's servers use, tests/helpers TEST_ENGINE_ARGS);
-- VLLM_CPU_CI_ENV=1: Dynamo, but its eager backend instead of Inductor (vLLM's own CI setting for CPU).
+- VLLM_CPU_CI_ENV=1: Dynamo, but its eager backend instead of Inductor (vLLM's own CI setting for CPU);
+- eager, worker in engine core: --enforce-eager with VLLM_ENABLE_V1_MULTIPROCESSING=0, which on the CPU build runs
+  the model in the engine core's process instead of a third one (vLLM's worker): two Python processes import torch
+  and vLLM at start-up instead of three (the test suite's servers, tests/helpers TEST_ENGINE_ENV).
 
 Start-up is the supervisor's launch to health (servegrid's ServerFacts.startup_s, the warm-up request after it
 apart); the cell's figures are its p50s (TTFT, TPOT, decode tokens/s per session).
 
-    .venv/bin/python benchmarks/vllm_startup.py [--requests 12] [--out benchmarks/out]
+    .venv/bin/python benchmarks/vllm_startup.py [--requests 12] [--out benchmarks/out] [--only SETTING ...]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ SETTINGS: dict[str, tuple[list[str], dict[str, str], bool]] = {
     "default (warm cache)": ([], {}, False),
     "--enforce-eager": (["--enforce-eager"], {}, False),
     "VLLM_CPU_CI_ENV=1": ([], {"VLLM_CPU_CI_ENV": "1"}, True),
+    "eager, worker in engine core": (["--enforce-eager"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),
 }
 
 
@@ -94,20 +98,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
+    parser.add_argument("--only", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                        help="these settings, in this order (ratios are to the first)")  # fmt: skip
     options = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-startup-") as tmp:
         folder = Path(tmp)
         tiny_model.build(folder / "model", TinyModelSpec())
         os.chdir(folder)  # server logs and state under the temporary folder
-        for name in SETTINGS:
+        for name in options.only:
             rows.append(measure(name, folder, folder / "compile-caches", options.requests))
             print(json.dumps(rows[-1]), flush=True)
     first = rows[0]
-    print(f"\n{'setting':<22}{'start-up s':>11}{'ratio':>7}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'ratio':>7}"
+    print(f"\n{'setting':<30}{'start-up s':>11}{'ratio':>7}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'ratio':>7}"
           f"{'decode tok/s':>14}")  # fmt: skip
     for row in rows:
-        print(f"{row['setting']:<22}{row['startup_s']:>11.1f}{row['startup_s'] / first['startup_s']:>7.2f}"
+        print(f"{row['setting']:<30}{row['startup_s']:>11.1f}{row['startup_s'] / first['startup_s']:>7.2f}"
               f"{row['ttft_p50_ms']:>13.1f}{row['tpot_p50_ms']:>13.2f}{row['tpot_p50_ms'] / first['tpot_p50_ms']:>7.2f}"
               f"{row['decode_tps_p50']:>14.1f}")  # fmt: skip
     Path(options.out).mkdir(parents=True, exist_ok=True)

@@ -337,7 +337,7 @@ def test_keep_going_past_a_broken_server_and_a_too_long_cell(workdir, matrix):
     raw = vllm_config(decode={"contexts": [256, 40000], "concurrency": [1], "output_tokens": 16})
     # No --max-model-len in the config, so that only the running server can tell that 40,000 tokens do not
     # fit (the tiny model's 32,768 positions); with it in the config, the config itself is refused.
-    raw["engine"]["args"] = ["--load-format", "dummy", *TEST_ENGINE_ARGS]
+    raw["engine"]["args"] = ["--load-format", "dummy", *TEST_ENGINE_ARGS]  # vllm_config's, less --max-model-len
     raw["configurations"] = {
         "broken": {"label": "broken", "prefix_caching": True, "args": ["--no-such-flag"]},
         "prefix_cache": raw["configurations"]["prefix_cache"],

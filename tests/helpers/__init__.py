@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import sys
 from pathlib import Path
@@ -17,6 +18,37 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # eager. The tests check servegrid's handling of a real engine, not the compiled engine's speed; the demo
 # keeps vLLM's default.
 TEST_ENGINE_ARGS = ("--enforce-eager",)
+# The model runner in the engine core's own process instead of a third one (vLLM's worker process): measured
+# 2026-12-03 (docs/architecture.md), healthy after 23-25 s instead of 33-38 s. The tree keeps the API server and
+# its engine core (the process the engine-hang fault stops), which is what the lifecycle tests take down.
+TEST_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def worker_cores() -> tuple[int, int]:
+    """(the server's core, the client's core) for the tests of this process. make test runs the tests with real
+    servers two at a time (pytest-xdist workers gw0 and gw1): each worker's servers take a core of their own and its
+    clients the other, so that two servers never share one. Outside xdist: core 0 and core 1, as the demo."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    server_core = int(worker.removeprefix("gw")) % 2
+    return server_core, 1 - server_core
+
+
+def engine_for_tests(engine: dict[str, Any], *, bind_threads: bool = True) -> dict[str, Any]:
+    """A config's engine section as the tests run it: eager, the worker in the engine core, and vLLM's OpenMP
+    threads on this worker's server core (bind_threads; the demo binds them to core 0)."""
+    env = {**engine.get("env", {}), **TEST_ENGINE_ENV}
+    if bind_threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(worker_cores()[0])
+    return {**engine, "args": [*engine.get("args", []), *TEST_ENGINE_ARGS], "env": env}
+
+
+def placed(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with every configuration's server on this worker's server core and the client on the other."""
+    server_core, client_core = worker_cores()
+    for configuration in raw["configurations"].values():
+        configuration["cpus"] = [server_core]
+    raw.setdefault("operations", {})["client_cpus"] = [client_core]
+    return raw
 
 
 def free_port_range(width: int = 20) -> tuple[int, int]:

@@ -3,10 +3,11 @@ tests with what each spent its time on (server starts in the test's own process,
 sleeps of its main thread).
 
 Counting happens where the test runs (an xdist worker, or the one process) and travels to the process that
-prints, on the test's report (``user_properties``). ``make test`` runs the suite in two sessions (the unit tests
-on both cores, then the tests that keep the machine to themselves): the first writes its rows to
-``results/test-budget.json`` (``--budget-out``), the second reads them (``--budget-in``) and prints one table
-for both.
+prints, on the test's report (``user_properties``). ``make test`` runs the suite in three sessions
+(tests/conftest.py: the unit tests on both cores, the heavy tests two at a time, then the tests that keep the
+machine to themselves): the first writes its rows to ``results/test-budget.json`` (``--budget-out``), the next ones
+read them (``--budget-in``; the middle one writes them back with its own added) and the last prints one table for
+all.
 """
 
 from __future__ import annotations
@@ -136,9 +137,11 @@ class Budget:
         self.started = time.monotonic()
         self.rows: dict[str, dict[str, Any]] = {}  # nodeid → seconds, spent
         self.sessions: list[float] = []  # wall seconds of earlier sessions (--budget-in)
+        self.earlier_starts: dict[str, int] = {}  # server starts of earlier sessions (--budget-in)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        row = self.rows.setdefault(report.nodeid, {"seconds": 0.0, "spent": Spent()})
+        nodeid = report.nodeid.split("@")[0]  # xdist's loadgroup adds "@<group>" to every grouped test's id
+        row = self.rows.setdefault(nodeid, {"seconds": 0.0, "spent": Spent()})
         row["seconds"] += report.duration
         for name, value in report.user_properties:
             if name == "budget":
@@ -150,6 +153,7 @@ class Budget:
         if path and Path(path).exists():
             earlier = json.loads(Path(path).read_text(encoding="utf-8"))
             self.sessions = list(earlier["sessions"])
+            self.earlier_starts = dict(earlier.get("starts", {}))
             for nodeid, row in earlier["rows"].items():
                 rows.setdefault(nodeid, {"seconds": row["seconds"], "spent": Spent.from_json(row["spent"])})
         return rows
@@ -159,11 +163,15 @@ class Budget:
             return
         wall = time.monotonic() - self.started
         rows = self._all_rows()
+        starts = defaultdict(int, self.earlier_starts)
+        for kind, count in _server_starts(self.config).items():
+            starts[kind] += count
         out = self.config.getoption("--budget-out")
-        if out:
+        if out:  # may be --budget-in's file: make test's middle session adds its rows to the first one's
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             serial = {k: {"seconds": r["seconds"], "spent": r["spent"].as_json()} for k, r in rows.items()}
-            Path(out).write_text(json.dumps({"sessions": [*self.sessions, wall], "rows": serial}), encoding="utf-8")
+            written = {"sessions": [*self.sessions, wall], "rows": serial, "starts": dict(starts)}
+            Path(out).write_text(json.dumps(written), encoding="utf-8")
         if not rows:
             return
         folders: dict[str, list[float]] = defaultdict(list)
@@ -178,9 +186,8 @@ class Budget:
         sessions = [*self.sessions, wall]
         write(f"{'wall clock':<14}{'':>7}{_minutes(sum(sessions)):>12}   "
               f"({' + '.join(_minutes(s) for s in sessions)}; test time adds up both cores' work)")  # fmt: skip
-        starts = _server_starts(self.config)
         if starts:
-            write("server starts in this session, by the logs they left: "
+            write("server starts, by the logs they left: "
                   + ", ".join(f"{kind} {n}" for kind, n in sorted(starts.items())))  # fmt: skip
         write("ten slowest tests (setup + call + teardown), and what they spent it on:")
         for nodeid, row in sorted(rows.items(), key=lambda item: -item[1]["seconds"])[:10]:
@@ -195,6 +202,7 @@ def _server_starts(config: pytest.Config) -> dict[str, int]:
         root = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
     except (AttributeError, OSError):
         return {}
+    # Under xdist the controller's basetemp is the folder its workers' own lie in (popen-gw0, popen-gw1): counted too.
     counts: dict[str, int] = defaultdict(int)
     for log in root.rglob("servers/*/logs/*.log"):
         if log.name.endswith(".supervisor.log"):

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import yaml
 
-from helpers import REPO, TEST_ENGINE_ARGS, free_port_range
+from helpers import REPO, engine_for_tests, free_port_range, placed
 
 
 @dataclass(frozen=True)
@@ -203,11 +203,19 @@ class Matrix:
 
     def __init__(self) -> None:
         self.rows: dict[str, Measured] = {}
+        self.fresh: list[Measured] = []  # recorded by the test running now (helpers.fault_matrix sends them on)
 
     def record(self, fault: str, seconds: float | None, detail: str = "") -> None:
         if fault not in FAULTS:
             raise KeyError(f"{fault!r} is not in helpers.faults.FAULTS")
         self.rows[fault] = Measured(fault, seconds, detail)
+        self.fresh.append(self.rows[fault])
+
+    def merge(self, row: Measured) -> None:
+        """A row another process recorded (an xdist worker): where two tests timed one fault, the slower time."""
+        seen = self.rows.get(row.fault)
+        if seen is None or seen.seconds is None or (row.seconds is not None and row.seconds >= seen.seconds):
+            self.rows[row.fault] = row
 
     def markdown(self) -> str:
         lines = [
@@ -282,7 +290,8 @@ def wait_for(predicate, timeout_s: float, step_s: float = 0.2) -> bool:  # type:
 
 
 def vllm_config(**workloads: Any) -> dict[str, Any]:
-    """The CPU demo's config with one configuration (prefix caching) and the given workloads."""
+    """The CPU demo's config with one configuration (prefix caching) and the given workloads, its server on this test
+    worker's core (helpers.placed)."""
     raw = yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text())
     raw["configurations"] = {"prefix_cache": raw["configurations"]["prefix_cache"]}
     # A fixed count (requests_per_session), not the demo's sequential sampling: each fault needs a cell of a
@@ -291,10 +300,10 @@ def vllm_config(**workloads: Any) -> dict[str, Any]:
     raw["workloads"] = workloads or {
         "decode": {"contexts": [256], "concurrency": [1], "output_tokens": 16, "requests_per_session": 2}
     }
-    raw["engine"]["args"] = [*raw["engine"]["args"], *TEST_ENGINE_ARGS]
+    raw["engine"] = engine_for_tests(raw["engine"])
     raw["operations"]["shutdown_timeout_s"] = 10
     raw["operations"]["port_range"] = list(free_port_range(40))
-    return raw
+    return placed(raw)
 
 
 def calibration_config(*server_args: str, **workloads: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from helpers import REPO, TEST_ENGINE_ARGS, VLLM_PYTHON, free_port_range
+from helpers import REPO, VLLM_PYTHON, engine_for_tests, free_port_range
 from servegrid.config import Experiment
 from servegrid.serving import procs, server, tiny_model
 
@@ -25,8 +25,13 @@ def shared_config(model_dir: Path) -> dict[str, Any]:
         "model": {"path": str(model_dir), "served_name": "tiny-qwen3", "tiny": {}},
         "engine": {
             "command": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"],
-            "args": ["--load-format", "dummy", "--max-model-len", "8192", *TEST_ENGINE_ARGS],
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+            **engine_for_tests(
+                {
+                    "args": ["--load-format", "dummy", "--max-model-len", "8192"],
+                    "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+                },
+                bind_threads=False,  # unpinned, as it always was: the shared server of the session
+            ),
         },
         "configurations": {
             "both": {

@@ -31,8 +31,9 @@ CONFIGURATIONS = ("prefix_cache", "ngram")
 
 def grid() -> dict[str, Any]:
     raw = vllm_config(
-        # ~20 requests of 48 tokens: a cell of several seconds, long enough to be cancelled in the middle
-        decode={"contexts": [256], "concurrency": [1], "output_tokens": 48, "requests_per_session": 20},
+        # 10 requests of 48 tokens: a cell of about 10 s, long enough to be cancelled in the middle (the scancel
+        # follows the cell's first log line within a second)
+        decode={"contexts": [256], "concurrency": [1], "output_tokens": 48, "requests_per_session": 10},
         single_turn={"contexts": [1024], "concurrency": [1], "suffix_tokens": 32, "output_tokens": 8,
                      "requests_per_session": 3},
     )  # fmt: skip
