@@ -146,14 +146,18 @@ def test_the_hand_run_cli_writes_the_tables_figures_and_report_the_pipeline_does
 
 
 def test_no_gateway_outlives_a_killed_snakemake(workdir, matrix):
-    # One long cell, so that the kill strikes while it measures through the gateway.
-    write_yaml(workdir / CONFIG, gateway_config(decode={"contexts": [32], "concurrency": [2], "output_tokens": 8,
-                                                        "requests_per_session": 400}))  # fmt: skip
+    # One long cell measured through the gateway only, so that the kill strikes while requests go through it.
+    raw = gateway_config(decode={"contexts": [32], "concurrency": [2], "output_tokens": 8, "requests_per_session": 400})
+    raw["route"] = "proxy"
+    write_yaml(workdir / CONFIG, raw)
     proc = snakemake(workdir, "sk-" + os.urandom(8).hex(), start_new_session=True)
     try:
         record_path = state.host_directory(workdir / paths.STATE_DIR) / f"{state.GATEWAY}.json"
         assert wait_for(lambda: (state.read(record_path) or {}).get("status") == "running", 180), "no gateway started"
-        time.sleep(4)  # its first proxied phase under way
+        # The event: the measured stage's progress line (every progress.INTERVAL_S), measured requests done through
+        # the gateway, the cell's only route.
+        cell_log = workdir / "results" / "logs" / "cells" / "only" / "decode" / "ctx32_c2.log"
+        assert wait_for(lambda: cell_log.exists() and "requests done" in cell_log.read_text(), 120), "not measuring"
         os.kill(proc.pid, signal.SIGKILL)  # only Snakemake itself: no handler runs
         killed = time.monotonic()
         proc.wait(timeout=60)
