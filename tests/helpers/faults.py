@@ -303,6 +303,9 @@ def vllm_config(**workloads: Any) -> dict[str, Any]:
     raw["engine"] = engine_for_tests(raw["engine"])
     raw["operations"]["shutdown_timeout_s"] = 10
     raw["operations"]["port_range"] = list(free_port_range(40))
+    # The faults are the servers' and the pipeline's: the preflight (an import of vLLM, 10-30 s here) has its own
+    # tests (tests/unit/test_preflight.py, and tests/integration/test_pipeline.py runs it on real vLLM).
+    raw["operations"]["preflight"] = False
     return placed(raw)
 
 

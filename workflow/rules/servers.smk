@@ -8,6 +8,7 @@ servegrid.serving.server, so its presence or absence makes nothing stale.
 rule server_spec:
     input:
         model_inputs,
+        preflight=ancient(paths.PREFLIGHT_REPORT),
     output:
         paths.SERVER_SPEC_PATTERN,
     log:

@@ -13,6 +13,7 @@ else is a bug and keeps its traceback.
     │   └── GatewayError       the gateway (LiteLLM proxy): start-up, or a field it drops or alters
     ├── CellError          a cell could not be measured; nothing was written
     │   └── CellStalled        its server stopped making progress: it is stopped, never reused
+    ├── PreflightError     the host or the user's engine would refuse a configuration (servegrid preflight)
     ├── CellFileError      a cell file cannot be read back
     ├── OutputError        an output cannot be written (disk full, file too large, permissions)
     └── ReportError        figures or a report could not be built
@@ -51,6 +52,11 @@ class ServerError(ServegridError):
 class GatewayError(ServerError):
     """The gateway in front of the servers could not be started, or changes what a request asks for (a
     field dropped or altered): the message names the field, so nothing else is measured silently."""
+
+
+class PreflightError(ServegridError):
+    """Before any server starts: the host or the user's own engine would refuse a configuration; the message names
+    the key to change."""
 
 
 class CellError(ServegridError):

@@ -90,6 +90,7 @@ class Operations:
     metrics_interval_s: float
     log_level: str
     stall_floor_s: float = 30.0
+    preflight: bool = True
 
 
 @dataclass(frozen=True)

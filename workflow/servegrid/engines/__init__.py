@@ -11,10 +11,10 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 
-from servegrid.engines.base import Engine, EngineFacts, StartupFacts
+from servegrid.engines.base import Engine, EngineFacts, EngineFinding, ServerLaunch, StartupFacts
 from servegrid.errors import ConfigError
 
-__all__ = ["Engine", "EngineFacts", "StartupFacts", "get", "kinds", "register"]
+__all__ = ["Engine", "EngineFacts", "EngineFinding", "ServerLaunch", "StartupFacts", "get", "kinds", "register"]
 
 _FACTORIES: dict[str, str | Callable[[], Engine]] = {"vllm": "servegrid.engines.vllm:VLLMEngine"}
 

@@ -39,6 +39,26 @@ class EngineFacts:
     block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
 
 
+@dataclass(frozen=True)
+class EngineFinding:
+    """What an engine's preflight found about one configuration's server, before it starts."""
+
+    level: str  # "error" (the server would fail or measure the wrong thing), "warning", or "note"
+    message: str
+    # What to change: "gpus", "command", "args:<flag>", "env:<VARIABLE>", "speculative.<key>"; None if unknown.
+    where: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """One configuration's server as it would start: its full argv and environment, its GPUs, its draft method."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    gpus: Sequence[int]
+    speculative: Mapping[str, Any] | None
+
+
 class Engine(Protocol):
     """One kind of inference server, as servegrid launches, drives and reads it."""
 
@@ -48,6 +68,7 @@ class Engine(Protocol):
     metrics_path: str
     completions_path: str
     chat_path: str
+    loads_checkpoint: bool  # serves model.path's weights (a checkpoint the preflight looks for)
 
     # ---- configuration and launch ------------------------------------------------------
     def check_config(self, engine_args: Sequence[str], configuration_args: Mapping[str, Sequence[str]],
@@ -74,6 +95,15 @@ class Engine(Protocol):
 
     def startup_facts(self, log_text: str) -> StartupFacts:
         """Capacity facts from the server's start-up log."""
+
+    def gpu_memory_claim(self, argv: Sequence[str]) -> float:
+        """The share of each GPU's memory the server with ``argv`` claims at start-up (0 where it claims none)."""
+
+    def preflight(self, servers: Mapping[str, ServerLaunch], checkpoint: Mapping[str, Any] | None,
+                  probe_timeout_s: float | None) -> dict[str, tuple[list[EngineFinding], dict[str, Any]]]:  # fmt: skip
+        """What each server (configuration → launch) would refuse or silently do, without loading weights:
+        configuration → (findings, facts such as the engine's version). ``checkpoint`` is the model's config.json
+        where it is on this machine; ``probe_timeout_s`` None checks here only, without running the user's engine."""
 
     # ---- control plane (never timed) -------------------------------------------------------
     def warm_up(self, client: httpx.Client, url: str, model: str) -> None:

@@ -21,8 +21,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from servegrid import redact
-from servegrid.engines import metrics
-from servegrid.engines.base import EngineFacts, StartupFacts
+from servegrid.engines import metrics, vllm_preflight
+from servegrid.engines.base import EngineFacts, EngineFinding, ServerLaunch, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 
 KV_TOKENS_RE = re.compile(r"(?:GPU|CPU|XPU|TPU)? ?KV cache size: ([\d,]+) tokens")
@@ -93,6 +93,7 @@ class VLLMEngine:
     metrics_path = "/metrics"
     completions_path = "/v1/completions"
     chat_path = "/v1/chat/completions"
+    loads_checkpoint = True
 
     # ---- configuration and launch ------------------------------------------------------
     def check_config(
@@ -176,6 +177,31 @@ class VLLMEngine:
         )
 
     # ---- control plane -----------------------------------------------------------------
+    def gpu_memory_claim(self, argv: Sequence[str]) -> float:
+        value = vllm_preflight.flag_value(argv, "--gpu-memory-utilization")
+        try:
+            return float(value) if value is not None else 0.92  # vLLM 0.32 default (vllm/config/cache.py)
+        except ValueError:
+            return 0.92
+
+    def preflight(
+        self, servers: Mapping[str, ServerLaunch], checkpoint: Mapping[str, Any] | None, probe_timeout_s: float | None
+    ) -> dict[str, tuple[list[EngineFinding], dict[str, Any]]]:
+        out: dict[str, tuple[list[EngineFinding], dict[str, Any]]] = {
+            name: (vllm_preflight.static_findings(s.argv, s.env, s.gpus, s.speculative, checkpoint), {})
+            for name, s in servers.items()
+        }
+        if probe_timeout_s is None:
+            return out
+        # One probe process per environment (on a GPU host, per set of GPUs): importing vLLM is most of its time.
+        by_env: dict[str, dict[str, Sequence[str]]] = {}
+        for name, launch in servers.items():
+            by_env.setdefault(json.dumps(dict(launch.env), sort_keys=True), {})[name] = launch.argv
+        for env, argvs in by_env.items():
+            for name, (found, facts) in vllm_preflight.probe(argvs, json.loads(env), probe_timeout_s).items():
+                out[name] = (out[name][0] + found, facts)
+        return out
+
     def warm_up(self, client: httpx.Client, url: str, model: str) -> None:
         response = client.post(
             f"{url}{self.completions_path}",

@@ -1,6 +1,7 @@
 """``servegrid``: every pipeline step by hand, outside Snakemake.
 
     servegrid validate                     check the config, list the grid
+    servegrid preflight [NAME ...]         what the host and your engine would refuse, before any weights load
     servegrid model build                  build the tiny model (model.tiny)
     servegrid server argv NAME             the exact command + environment a server gets
     servegrid server up NAME               start (or reuse) a server and keep it up
@@ -55,6 +56,17 @@ def cmd_validate(experiment: Experiment, args: argparse.Namespace) -> int:
         print(f"  {name}: {len(experiment.cells(name))} cells")
     print(f"  modes: {', '.join(experiment.modes())}; {len(cells)} cells in all")
     return 0
+
+
+def cmd_preflight(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import atomic
+    from servegrid.planning import preflight
+
+    report = preflight.run(experiment, args.names or None, probe=not args.no_engine)
+    print(report.text())
+    if args.json:
+        atomic.write_json(args.json, report.as_json())
+    return 1 if report.errors else 0
 
 
 def cmd_model_build(experiment: Experiment, args: argparse.Namespace) -> int:
@@ -210,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
         return group.add_parser(name, help=help_text, parents=[common])
 
     add(sub, "validate", "validate the config and list the grid").set_defaults(func=cmd_validate)
+    pre_p = add(sub, "preflight", "check each configuration with your engine's own parser, the checkpoint and the host")
+    pre_p.add_argument("names", nargs="*", metavar="NAME", help="configurations (default: all)")
+    pre_p.add_argument("--no-engine", action="store_true", help="skip your engine's own checks")
+    pre_p.add_argument("--json", help="also write the findings to this file")
+    pre_p.set_defaults(func=cmd_preflight)
 
     model_p = add(sub, "model", "the tiny CPU model").add_subparsers(dest="action", required=True)
     build_p = add(model_p, "build", "build the tiny model folder")

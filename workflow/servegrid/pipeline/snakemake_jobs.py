@@ -56,6 +56,23 @@ def write_spec(smk: Any) -> None:
     _run(smk, body)
 
 
+def preflight(smk: Any) -> None:
+    from servegrid.planning import preflight as checks
+
+    def body(experiment: Experiment) -> None:
+        if not experiment.operations.preflight:
+            logging.getLogger("servegrid").info("preflight skipped (operations.preflight: false)")
+            atomic.write_json(smk.output[0], {"skipped": True})
+            return
+        report = checks.run(experiment)
+        for line in report.text().splitlines():
+            logging.getLogger("servegrid").info("%s", line)
+        report.raise_for_errors()  # before any server loads its weights; the message names the key
+        atomic.write_json(smk.output[0], report.as_json())
+
+    _run(smk, body)
+
+
 def run_cell(smk: Any) -> None:
     from servegrid.pipeline.cell_job import run_cell as measure
 

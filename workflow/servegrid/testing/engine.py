@@ -16,7 +16,7 @@ import httpx
 
 from servegrid import engines, redact
 from servegrid.engines import metrics
-from servegrid.engines.base import EngineFacts, StartupFacts
+from servegrid.engines.base import EngineFacts, EngineFinding, ServerLaunch, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 from servegrid.testing import dialect
 
@@ -43,6 +43,7 @@ class CalibrationEngine:
     metrics_path = PATHS["metrics"]
     completions_path = PATHS["completions"]
     chat_path = PATHS["chat"]
+    loads_checkpoint = False  # it has no model
 
     # ---- configuration and launch ------------------------------------------------------
     def check_config(
@@ -88,6 +89,15 @@ class CalibrationEngine:
         if not found:
             return StartupFacts()
         return StartupFacts(kv_cache_tokens=int(found.group(1)), max_concurrency=float(found.group(2)))
+
+    def gpu_memory_claim(self, argv: Sequence[str]) -> float:
+        return 0.0
+
+    def preflight(
+        self, servers: Mapping[str, ServerLaunch], checkpoint: Mapping[str, Any] | None, probe_timeout_s: float | None
+    ) -> dict[str, tuple[list[EngineFinding], dict[str, Any]]]:
+        # Its parser is servegrid's own (servegrid.testing.calibration): an unknown flag fails at start-up in a second.
+        return {name: ([], {"engine": "calibration server"}) for name in servers}
 
     # ---- control plane -----------------------------------------------------------------
     def warm_up(self, client: httpx.Client, url: str, model: str) -> None:

@@ -1,0 +1,101 @@
+"""Where a configuration's checkpoint is, what its config.json says, and what it weighs: on this machine (a folder,
+or the Hugging Face cache), or on the Hub (its download size, where the Hub answers). Never downloads a weight."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    source: str  # model.path as written
+    folder: Path | None  # the folder holding config.json here (a local path or a Hugging Face cache snapshot)
+    config: dict[str, Any] | None  # its config.json
+    weights_bytes: int | None  # the weight files' size (on disk here, or on the Hub)
+    local: bool  # present on this machine
+    built_by_pipeline: bool = False  # model.tiny: the pipeline writes it before the first server starts
+    why_unknown: str = ""  # what could not be learned, in words
+
+
+def weights_in(folder: Path) -> int:
+    """Bytes of the weight files in ``folder`` (the cache's symlinks followed)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
+def _read_config(folder: Path) -> dict[str, Any] | None:
+    path = folder / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def is_repo_id(path: str) -> bool:
+    """``org/name`` as the Hub names a model, not a path on this machine."""
+    return not path.startswith(("/", ".", "~")) and path.count("/") == 1 and not Path(path).exists()
+
+
+def locate(path: str, built_by_pipeline: bool, hub_timeout_s: float = 20.0) -> Checkpoint:
+    """The checkpoint at ``path`` (a folder or a Hub repo id): here, or its size on the Hub."""
+    if Path(path).expanduser().is_dir():
+        folder = Path(path).expanduser()
+        return Checkpoint(path, folder, _read_config(folder), weights_in(folder), local=True)
+    if built_by_pipeline:
+        return Checkpoint(path, None, None, None, local=False, built_by_pipeline=True)
+    if not is_repo_id(path):
+        return Checkpoint(path, None, None, None, local=False, why_unknown=f"{path} does not exist")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(path, local_files_only=True))
+        return Checkpoint(path, folder, _read_config(folder), weights_in(folder), local=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return Checkpoint(
+            path, None, None, None, local=False, why_unknown="HF_HUB_OFFLINE is set: the Hub is not asked"
+        )
+    return _on_the_hub(path, hub_timeout_s)
+
+
+def _on_the_hub(repo: str, timeout_s: float) -> Checkpoint:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    try:
+        api = HfApi()
+        info = api.model_info(repo, files_metadata=True, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - network, auth, a gated or missing repo: said, not fatal here
+        return Checkpoint(
+            repo,
+            None,
+            None,
+            None,
+            local=False,
+            why_unknown=f"the Hub did not say ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+        )
+    size = sum(s.size or 0 for s in info.siblings or [] if s.rfilename.endswith(WEIGHT_SUFFIXES))
+    config = None
+    # A few kilobytes, into the cache the server would use anyway; without it the size is still worth saying.
+    with contextlib.suppress(Exception):
+        config = _read_config(Path(hf_hub_download(repo, "config.json", endpoint=api.endpoint)).parent)
+    return Checkpoint(repo, None, config, size or None, local=False)
+
+
+def cache_free_bytes() -> tuple[Path, int]:
+    """The Hugging Face cache folder a download would fill, and the free bytes on its disk."""
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return folder, shutil.disk_usage(probe).free

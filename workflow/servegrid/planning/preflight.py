@@ -1,0 +1,210 @@
+"""``servegrid preflight``: what the host and the user's own engine would refuse, or silently do, for each
+configuration, found in seconds before the first server loads its weights. Each finding names the key to change.
+
+Checks, per configuration: the exact argv through the engine's own parser, validation and configuration (vLLM:
+:mod:`servegrid.engines.vllm_preflight`), the GPUs it names (the parallel layout, free memory against the weights),
+the checkpoint (present here, or its download against the free disk; its MTP layers against the speculative
+method), and, once for the run, the proxy variables and the cache-reset route. What could not be checked here is
+said as plainly (``unchecked``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from servegrid import engines, redact
+from servegrid.config import Experiment
+from servegrid.errors import PreflightError
+from servegrid.planning import checkpoint, host_checks
+from servegrid.serving import server
+
+LEVELS = ("error", "warning", "note")
+PROBE_TIMEOUT_S = 300.0  # importing vLLM takes 10-50 s on a busy CPU host; building its config a few more
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # error | warning | note
+    configuration: str | None  # None: the whole run
+    key: str  # what to change: a config key, or "environment: VARIABLE"
+    message: str
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    checked: dict[str, list[str]] = field(default_factory=dict)  # configuration → what was checked
+    unchecked: list[str] = field(default_factory=list)
+    facts: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "error"]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "findings": [asdict(f) for f in self.findings],
+            "checked": self.checked,
+            "unchecked": self.unchecked,
+            "facts": self.facts,
+        }
+
+    def text(self) -> str:
+        lines = []
+        for name, checked in self.checked.items():
+            lines.append(f"{name}: checked {'; '.join(checked) or 'nothing'}")
+        for finding in sorted(self.findings, key=lambda f: LEVELS.index(f.level)):
+            where = f"{finding.configuration}: " if finding.configuration else ""
+            lines.append(f"{finding.level.upper():10}{where}{finding.key}: {finding.message}")
+        lines += [f"{'UNCHECKED':10}{u}" for u in self.unchecked]
+        errors = len(self.errors)
+        lines.append(f"preflight: {errors} error(s), {sum(f.level == 'warning' for f in self.findings)} warning(s)")
+        return "\n".join(lines)
+
+    def raise_for_errors(self) -> None:
+        if self.errors:
+            first = self.errors[0]
+            more = f" (and {len(self.errors) - 1} more; servegrid preflight lists them)" if len(self.errors) > 1 else ""
+            where = f"{first.configuration}: " if first.configuration else ""
+            raise PreflightError(f"preflight: {where}{first.key}: {first.message}{more}")
+
+
+def key_of(experiment: Experiment, name: str, where: str | None) -> str:
+    """The config key an engine finding's ``where`` points at."""
+    conf = experiment.configuration(name)
+    prefix = f"configurations.{name}"
+    if where is None:
+        return prefix
+    kind, _, detail = where.partition(":")
+    if where in ("gpus", "command"):
+        return f"{prefix}.gpus" if where == "gpus" else "engine.command"
+    if where.startswith("speculative"):
+        return f"{prefix}.{where}"
+    if kind == "env":
+        return f"{prefix}.env.{detail}" if detail in (conf.env or {}) else f"engine.env.{detail}"
+    if kind == "args":
+        flag = redact.flag_name(detail)
+        if any(redact.flag_name(a) == flag for a in conf.args):
+            return f"{prefix}.args ({detail})"
+        if any(redact.flag_name(a) == flag for a in experiment.engine.args):
+            return f"engine.args ({detail})"
+        feature = experiment.configuration_flags(name)
+        if any(redact.flag_name(a) == flag for a in feature):
+            return f"{prefix}.{'speculative' if 'speculative' in flag else 'prefix_caching'} ({detail})"
+        return f"engine.command, engine.args or {prefix}.args ({detail})"
+    return prefix
+
+
+def run(
+    experiment: Experiment, names: list[str] | None = None, probe: bool = True, environ: dict[str, str] | None = None
+) -> Report:
+    """The preflight of ``names`` (default: every configuration); ``probe`` False skips the user's engine."""
+    environ = dict(os.environ if environ is None else environ)
+    report = Report()
+    names = names or list(experiment.configurations)
+    engine = engines.get(experiment.engine.kind)
+    tiny = experiment.tiny_model_spec() is not None
+    if engine.loads_checkpoint:
+        ckpt = checkpoint.locate(experiment.model.path, built_by_pipeline=tiny)
+    else:
+        ckpt = checkpoint.Checkpoint(experiment.model.path, None, None, None, local=True)
+    memory = host_checks.gpu_memory()
+    _run_wide(experiment, report, engine, ckpt, environ)
+    launches = {}
+    for name in names:
+        conf = experiment.configuration(name)
+        spec = experiment.launch_spec(name)
+        runtime = server.Runtime.from_config(experiment.operations, conf)
+        argv, env = server.launch_command(spec, runtime, runtime.port_range[0])
+        launches[name] = engines.ServerLaunch(argv, env, list(conf.gpus), spec["speculative"])
+    answers = engine.preflight(launches, ckpt.config, PROBE_TIMEOUT_S if probe else None)
+    for name, launch in launches.items():
+        found, facts = answers[name]
+        for f in found:
+            report.findings.append(Finding(f.level, name, key_of(experiment, name, f.where), f.message))
+        checked = ["the launch flags and environment", *facts.pop("checked", [])]
+        if ckpt.config is not None:
+            checked.append("the checkpoint's config.json")
+        if launch.gpus and memory is not None:
+            checked.append(f"GPUs {list(launch.gpus)}")
+            missing = sorted(set(launch.gpus) - set(memory))
+            if missing:
+                message = f"GPU(s) {missing} are not on this host (nvidia-smi lists {sorted(memory)})"
+                report.findings.append(Finding("error", name, f"configurations.{name}.gpus", message))
+            if facts.get("cuda_devices") is not None:
+                checked.append("the GPUs a CUDA process sees in the server's environment")
+                for problem in host_checks.visible_gpu_findings(launch.gpus, memory, facts["cuda_devices"]):
+                    report.findings.append(Finding("error", name, f"configurations.{name}.gpus", problem))
+            claim = engine.gpu_memory_claim(launch.argv)
+            for problem in host_checks.memory_findings(launch.gpus, memory, ckpt.weights_bytes, claim):
+                report.findings.append(Finding("error", name, f"configurations.{name}.gpus", problem))
+        report.checked[name] = checked
+        if facts:
+            report.facts[name] = facts
+    return report
+
+
+def _run_wide(
+    experiment: Experiment, report: Report, engine: engines.Engine, ckpt: checkpoint.Checkpoint, environ: dict[str, str]
+) -> None:
+    """The checks made once for the run: proxies, the checkpoint's presence and size, the GPUs' presence."""
+    host = experiment.operations.host
+    reaching = host_checks.proxies_reaching(host, environ)
+    if reaching:
+        report.findings.append(
+            Finding(
+                "error",
+                None,
+                "environment: no_proxy",
+                f"{', '.join(reaching)} set and no_proxy does not name {host}: the health checks, metrics and warm-ups "
+                f"would go through that proxy and a healthy server would time out (set no_proxy={host},localhost)",
+            )
+        )
+    if any(c.gpus for c in experiment.configurations.values()) and host_checks.gpu_memory() is None:
+        report.unchecked.append(
+            "GPUs: no nvidia-smi on this host (the GPUs' presence and free memory are checked "
+            "where the servers run: run servegrid preflight there)"
+        )
+    if ckpt.built_by_pipeline:
+        report.unchecked.append(
+            f"model: {ckpt.source} is built by the pipeline (model.tiny); its config.json is read once it exists"
+        )
+    elif not ckpt.local:
+        folder, free = checkpoint.cache_free_bytes()
+        if ckpt.weights_bytes is None:
+            report.findings.append(
+                Finding(
+                    "error" if not checkpoint.is_repo_id(ckpt.source) else "warning",
+                    None,
+                    "model.path",
+                    f"{ckpt.source} is not on this machine, and its size is unknown ({ckpt.why_unknown}); the first "
+                    "server start would download it inside operations.startup_timeout_s",
+                )
+            )
+        elif ckpt.weights_bytes > free:
+            report.findings.append(
+                Finding(
+                    "error",
+                    None,
+                    "model.path",
+                    f"{ckpt.source} is not on this machine; its weights ({host_checks.gib(ckpt.weights_bytes)}) are "
+                    f"more than the {host_checks.gib(free)} free under {folder} (HF_HUB_CACHE)",
+                )
+            )
+        else:
+            report.findings.append(
+                Finding(
+                    "warning",
+                    None,
+                    "model.path",
+                    f"{ckpt.source} is not on this machine: the first server start downloads "
+                    f"{host_checks.gib(ckpt.weights_bytes)} inside operations.startup_timeout_s (and each "
+                    f"configuration starting at once would too); download it first: hf download {ckpt.source}",
+                )
+            )
+    if ckpt.config is None and not ckpt.built_by_pipeline:
+        report.unchecked.append(
+            "the checkpoint's config.json (not on this machine): its MTP layers and the engine's configuration"
+        )
