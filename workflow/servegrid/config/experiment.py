@@ -121,6 +121,13 @@ class Experiment:
         self.route: str = r["route"]
         self.proxy: ProxySection | None = section(ProxySection, r["proxy"]) if r["proxy"] is not None else None
         self.verdict = VerdictRules.from_config(r["verdict"])
+        # What servegrid estimate assumes where no earlier run says (pairs, low first); it shapes no measurement.
+        self.estimate: dict[str, tuple[float, float]] = {
+            k: (float(v[0]), float(v[1])) for k, v in r["estimate"].items()
+        }
+        for key, (low, high) in self.estimate.items():
+            if low > high:
+                raise ConfigError(f"estimate.{key}: [{low:g}, {high:g}] is not [low, high] (speeds: [slow, fast])")
         self.languages: list[str] = list(r["report"]["languages"])
         self.report_formats: list[str] = list(r["report"]["formats"])
         self.report_baseline: str | None = r["report"]["baseline"]

@@ -73,6 +73,10 @@ class Mode:
     # Tokens the longest request of a cell holds at its end (prompt + output), from its context and
     # settings; None: context + corpus_extra + output_tokens.
     longest_request: Callable[[int, Mapping[str, Any]], int] | None = None
+    # One unit's requests (a session's share of one round: a request, or a conversation), each as (prompt tokens,
+    # of them the tokens a prefix cache can hold from before, output tokens): what servegrid estimate prices a cell
+    # by. None: one cold request of context + corpus_extra tokens.
+    unit_requests: Callable[[int, Mapping[str, Any]], tuple[tuple[int, int, int], ...]] | None = None
     # The description's placeholders from the mode's settings (numbers and lists of numbers).
     describe: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda workload: {}
 
@@ -93,6 +97,12 @@ class Mode:
         if self.longest_request is not None:
             return self.longest_request(context, workload)
         return context + self.corpus_extra(workload) + workload["output_tokens"]
+
+    def requests_of_unit(self, context: int, workload: Mapping[str, Any]) -> tuple[tuple[int, int, int], ...]:
+        """(prompt tokens, cacheable prefix tokens, output tokens) of each request of one unit (see unit_requests)."""
+        if self.unit_requests is not None:
+            return self.unit_requests(context, workload)
+        return ((context + self.corpus_extra(workload), 0, workload["output_tokens"]),)
 
     def corpus_tokens(self, settings: Mapping[str, Any]) -> int:
         """Tokens of prompt text a cell needs: its longest request plus headroom."""

@@ -175,6 +175,15 @@ MODE = register(
         corpus_extra=lambda w: w["tokens_per_turn"],
         # The last turn carries every earlier turn's message and reply (the chat template adds a few more).
         longest_request=lambda context, w: context + (w["turns"] - 1) * w["tokens_per_turn"] + w["output_tokens"],
+        # Turn t carries the conversation so far; all of it but the newest turn can come from the cache.
+        unit_requests=lambda context, w: tuple(
+            (
+                context + t * w["tokens_per_turn"],
+                context + (t - 1) * w["tokens_per_turn"] if t else 0,
+                w["output_tokens"],
+            )
+            for t in range(w["turns"])
+        ),
         describe=lambda w: {"turns": w["turns"], "per_turn": w["tokens_per_turn"]},
     )
 )

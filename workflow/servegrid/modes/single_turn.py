@@ -101,6 +101,8 @@ MODE = register(
         summarize=probe_columns,
         expected_hits=expected_hits,
         corpus_extra=lambda w: w["suffix_tokens"],
+        # The shared prefix (the context) can come from the cache; the suffix is new every time.
+        unit_requests=lambda context, w: ((context + w["suffix_tokens"], context, w["output_tokens"]),),
         describe=lambda w: {"suffix": w["suffix_tokens"], "output": w["output_tokens"]},
         partial="modes/single_turn.html.j2",
     )

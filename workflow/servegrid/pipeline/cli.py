@@ -2,6 +2,7 @@
 
     servegrid validate                     check the config, list the grid
     servegrid preflight [NAME ...]         what the host and your engine would refuse, before any weights load
+    servegrid estimate [--cores N]         the run's device hours and wall clock, as a range
     servegrid model build                  build the tiny model (model.tiny)
     servegrid server argv NAME             the exact command + environment a server gets
     servegrid server up NAME               start (or reuse) a server and keep it up
@@ -67,6 +68,17 @@ def cmd_preflight(experiment: Experiment, args: argparse.Namespace) -> int:
     if args.json:
         atomic.write_json(args.json, report.as_json())
     return 1 if report.errors else 0
+
+
+def cmd_estimate(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid import atomic
+    from servegrid.planning import estimate
+
+    est = estimate.estimate(experiment, Path(args.results))
+    print(estimate.text(est, args.cores))
+    if args.json:
+        atomic.write_json(args.json, estimate.as_json(est, args.cores or len(est.groups)))
+    return 0
 
 
 def cmd_model_build(experiment: Experiment, args: argparse.Namespace) -> int:
@@ -227,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     pre_p.add_argument("--no-engine", action="store_true", help="skip your engine's own checks")
     pre_p.add_argument("--json", help="also write the findings to this file")
     pre_p.set_defaults(func=cmd_preflight)
+    est_p = add(sub, "estimate", "the run's device hours and wall clock, as a range, before it starts")
+    est_p.add_argument("--results", default=paths.RESULTS, help="an earlier run's results (its measured cells)")
+    est_p.add_argument("--cores", type=int, help="the --cores you will give Snakemake (default: the advice)")
+    est_p.add_argument("--json", help="also write the estimate to this file")
+    est_p.set_defaults(func=cmd_estimate)
 
     model_p = add(sub, "model", "the tiny CPU model").add_subparsers(dest="action", required=True)
     build_p = add(model_p, "build", "build the tiny model folder")
