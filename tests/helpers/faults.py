@@ -319,6 +319,7 @@ def calibration_config(*server_args: str, **workloads: Any) -> dict[str, Any]:
         "workloads": workloads
         or {"decode": {"contexts": [32, 64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 2}},
         "operations": {
+            "preflight": False,  # the calibration stand-in serves no checkpoint (model.path "none" would be its error)
             "port_range": list(free_port_range(40)),
             "startup_timeout_s": 60,
             "shutdown_timeout_s": 5,

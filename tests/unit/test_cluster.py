@@ -34,7 +34,7 @@ def test_a_fixed_count_cell_books_every_request_at_its_timeout(demo_raw):
 
 def test_a_job_asks_for_the_configurations_devices_by_count(seed_raw, demo_raw):
     seed, demo = Experiment(seed_raw), Experiment(demo_raw)
-    assert [slurm.gpus(seed, name) for name in seed.configurations] == [1, 1]
+    assert [slurm.gpus(seed, name) for name in seed.configurations] == [1, 1, 1]
     assert slurm.cpus_per_task(demo, "ngram") == 2  # the server's core and the client's
     assert slurm.cpus_per_task(seed, "mtp") == 1  # neither pinned: at least one
 

@@ -13,7 +13,7 @@ from servegrid.errors import ConfigError
 
 def test_both_shipped_configs_are_valid(seed_raw, demo_raw):
     seed, demo = Experiment(seed_raw), Experiment(demo_raw)
-    assert list(seed.configurations) == ["prefix_cache", "mtp"]
+    assert list(seed.configurations) == ["prefix_cache", "mtp", "mtp_prefix_cache"]
     assert seed.configurations["mtp"].speculative == {"method": "mtp", "num_speculative_tokens": 3}
     assert seed.configurations["prefix_cache"].prefix_caching is True
     assert seed.configurations["mtp"].prefix_caching is False
@@ -22,8 +22,10 @@ def test_both_shipped_configs_are_valid(seed_raw, demo_raw):
     assert seed.modes() == demo.modes() == ["decode", "single_turn", "multi_turn"]
     assert demo.configurations["ngram"].speculative["method"] == "ngram"
     assert demo.temperature == 0
-    # 6 decode + 2x5 single-turn + 5x5 multi-turn, per configuration
-    assert len(seed.cells()) == 2 * (6 + 10 + 25)
+    # 6 decode + 2x5 single-turn + 5x5 multi-turn, per configuration (the seed's two, and both together)
+    assert len(seed.cells()) == 3 * (6 + 10 + 25)
+    assert seed.configurations["mtp_prefix_cache"].prefix_caching is True
+    assert seed.engine.env == {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def test_defaults_are_filled(demo_raw):

@@ -92,7 +92,8 @@ def placement_config() -> dict:
                 "warmup_requests": 0,
             }
         },
-        "operations": {"port_range": [8700, 8760], "startup_timeout_s": 60},
+        # preflight off: the calibration stand-in serves no checkpoint (model.path "none" would be its error).
+        "operations": {"port_range": [8700, 8760], "startup_timeout_s": 60, "preflight": False},
     }
 
 

@@ -58,7 +58,13 @@ def test_a_planted_key_and_secrets_appear_nowhere_after_a_whole_run(tmp_path):
         },
         "configurations": {"only": {"label": "only", "prefix_caching": True}},
         "workloads": {"decode": {"contexts": [32], "concurrency": [1], "output_tokens": 4, "requests_per_session": 2}},
-        "operations": {"port_range": list(free_port_range()), "startup_timeout_s": 60, "shutdown_timeout_s": 5},
+        # preflight off: the calibration stand-in serves no checkpoint (model.path "none" would be its error).
+        "operations": {
+            "port_range": list(free_port_range()),
+            "startup_timeout_s": 60,
+            "shutdown_timeout_s": 5,
+            "preflight": False,
+        },
     }
     write_yaml(workdir / "canary.yaml", config)
     env = {**os.environ, "SERVEGRID_CANARY_KEY": KEY}

@@ -68,7 +68,6 @@ class Engine(Protocol):
     metrics_path: str
     completions_path: str
     chat_path: str
-    loads_checkpoint: bool  # serves model.path's weights (a checkpoint the preflight looks for)
 
     # ---- configuration and launch ------------------------------------------------------
     def check_config(self, engine_args: Sequence[str], configuration_args: Mapping[str, Sequence[str]],
@@ -95,6 +94,9 @@ class Engine(Protocol):
 
     def startup_facts(self, log_text: str) -> StartupFacts:
         """Capacity facts from the server's start-up log."""
+
+    def loads_checkpoint(self) -> bool:
+        """Whether the server loads model.path (a checkpoint the preflight looks for)."""
 
     def gpu_memory_claim(self, argv: Sequence[str]) -> float:
         """The share of each GPU's memory the server with ``argv`` claims at start-up (0 where it claims none)."""

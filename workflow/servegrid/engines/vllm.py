@@ -93,7 +93,6 @@ class VLLMEngine:
     metrics_path = "/metrics"
     completions_path = "/v1/completions"
     chat_path = "/v1/chat/completions"
-    loads_checkpoint = True
 
     # ---- configuration and launch ------------------------------------------------------
     def check_config(
@@ -177,6 +176,9 @@ class VLLMEngine:
         )
 
     # ---- control plane -----------------------------------------------------------------
+    def loads_checkpoint(self) -> bool:
+        return True
+
     def gpu_memory_claim(self, argv: Sequence[str]) -> float:
         value = vllm_preflight.flag_value(argv, "--gpu-memory-utilization")
         try:

@@ -33,7 +33,7 @@ from servegrid import paths
 from servegrid.config import Cell, Experiment
 from servegrid.errors import ConfigError, guarded
 from servegrid.paths import RunTables
-from servegrid.pipeline import logging_setup
+from servegrid.pipeline import cli_planning, logging_setup
 from servegrid.serving import procs, server
 
 CELL_RE = re.compile(r"^(?P<configuration>[^/]+)/(?P<mode>[^/]+)/ctx(?P<context>\d+)_c(?P<concurrency>\d+)$")
@@ -56,28 +56,6 @@ def cmd_validate(experiment: Experiment, args: argparse.Namespace) -> int:
     for name in experiment.configurations:
         print(f"  {name}: {len(experiment.cells(name))} cells")
     print(f"  modes: {', '.join(experiment.modes())}; {len(cells)} cells in all")
-    return 0
-
-
-def cmd_preflight(experiment: Experiment, args: argparse.Namespace) -> int:
-    from servegrid import atomic
-    from servegrid.planning import preflight
-
-    report = preflight.run(experiment, args.names or None, probe=not args.no_engine)
-    print(report.text())
-    if args.json:
-        atomic.write_json(args.json, report.as_json())
-    return 1 if report.errors else 0
-
-
-def cmd_estimate(experiment: Experiment, args: argparse.Namespace) -> int:
-    from servegrid import atomic
-    from servegrid.planning import estimate
-
-    est = estimate.estimate(experiment, Path(args.results))
-    print(estimate.text(est, args.cores))
-    if args.json:
-        atomic.write_json(args.json, estimate.as_json(est, args.cores or len(est.groups)))
     return 0
 
 
@@ -234,16 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         return group.add_parser(name, help=help_text, parents=[common])
 
     add(sub, "validate", "validate the config and list the grid").set_defaults(func=cmd_validate)
-    pre_p = add(sub, "preflight", "check each configuration with your engine's own parser, the checkpoint and the host")
-    pre_p.add_argument("names", nargs="*", metavar="NAME", help="configurations (default: all)")
-    pre_p.add_argument("--no-engine", action="store_true", help="skip your engine's own checks")
-    pre_p.add_argument("--json", help="also write the findings to this file")
-    pre_p.set_defaults(func=cmd_preflight)
-    est_p = add(sub, "estimate", "the run's device hours and wall clock, as a range, before it starts")
-    est_p.add_argument("--results", default=paths.RESULTS, help="an earlier run's results (its measured cells)")
-    est_p.add_argument("--cores", type=int, help="the --cores you will give Snakemake (default: the advice)")
-    est_p.add_argument("--json", help="also write the estimate to this file")
-    est_p.set_defaults(func=cmd_estimate)
+    cli_planning.add_commands(sub, add)
 
     model_p = add(sub, "model", "the tiny CPU model").add_subparsers(dest="action", required=True)
     build_p = add(model_p, "build", "build the tiny model folder")

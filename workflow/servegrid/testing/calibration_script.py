@@ -79,13 +79,22 @@ class Vocabulary:
         self.ids = {w: i for i, w in enumerate(self.words)}
 
     def encode(self, content: str) -> list[int]:
-        return [
-            self.ids.get(w.strip(".?!,").lower(), 1 + zlib.crc32(w.encode()) % (len(self.words) - 1))
-            for w in content.split()
-        ]
+        return [self._id(w) for w in content.split()]
+
+    def _id(self, word: str) -> int:
+        # A word outside the vocabulary (a prompt's nonce) gets an id of its own past the vocabulary, from its
+        # CRC-32, written back as "<id>" so that ids round-trip: folded into the vocabulary's 221 ids, two cells'
+        # nonces shared an id about once in 220 pairs, and their "fresh" prompts hit each other's cache (a
+        # clean-clone run on 2026-12-04 failed test_repeats_are_pooled_and_keep_their_identity so).
+        known = self.ids.get(word.strip(".?!,").lower())
+        if known is not None:
+            return known
+        if word.startswith("<") and word.endswith(">") and word[1:-1].isdigit():
+            return int(word[1:-1])
+        return len(self.words) + zlib.crc32(word.encode())
 
     def decode(self, ids: list[int]) -> str:
-        return " ".join(self.words[i % len(self.words)] for i in ids)
+        return " ".join(self.words[i] if 0 <= i < len(self.words) else f"<{i}>" for i in ids)
 
 
 CHAT_OVERHEAD_PER_MESSAGE = 3

@@ -43,7 +43,6 @@ class CalibrationEngine:
     metrics_path = PATHS["metrics"]
     completions_path = PATHS["completions"]
     chat_path = PATHS["chat"]
-    loads_checkpoint = False  # it has no model
 
     # ---- configuration and launch ------------------------------------------------------
     def check_config(
@@ -89,6 +88,9 @@ class CalibrationEngine:
         if not found:
             return StartupFacts()
         return StartupFacts(kv_cache_tokens=int(found.group(1)), max_concurrency=float(found.group(2)))
+
+    def loads_checkpoint(self) -> bool:
+        return False  # it has no model
 
     def gpu_memory_claim(self, argv: Sequence[str]) -> float:
         return 0.0
