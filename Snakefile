@@ -1,11 +1,11 @@
 """servegrid: measure LLM-serving configurations cell by cell, then report a verdict.
 
-    config.yaml ─► tiny_model? ─► preflight ─► server_spec ─► cell × grid ─► server_stop
-                                                                 │                │
-                                                                 ▼                ▼
-                                    aggregate (Parquet) ─► figures ─► report_html, report_pdf (pt, hu)
-                                              │
-                                              └─► export (CSV, vllm bench serve JSON)
+    config.yaml ─► tiny_model? ─► server_spec (+ preflight) ─► cell × grid ─► server_stop
+                                                                   │                │
+                                                                   ▼                ▼
+                                      aggregate (Parquet) ─► figures ─► report_html, report_pdf (pt, hu)
+                                                │
+                                                └─► export (CSV, vllm bench serve JSON)
 
 `snakemake --cores 1 report` runs what is stale; `snakemake -n report` shows
 what would run and why.
@@ -36,7 +36,6 @@ localrules:
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
-include: "workflow/rules/preflight.smk"
 include: "workflow/rules/servers.smk"
 include: "workflow/rules/cells.smk"
 include: "workflow/rules/aggregate.smk"

@@ -58,12 +58,12 @@ def test_first_run_builds_everything(pipeline_run):
         for ext in ("html", "pdf"):
             assert (workdir / "results" / "report" / f"servegrid-{lang}.{ext}").stat().st_size > 10_000
     assert leftovers(workdir) == []
-    # Before the first server: both configurations through the real vLLM's parser and engine configuration.
-    preflight = json.loads((workdir / "results" / "preflight.json").read_text())
+    # With each spec, before its server: the configuration through the real vLLM's parser and engine configuration.
     for name in ("prefix_cache", "ngram"):
+        preflight = json.loads((workdir / "results" / "servers" / name / "preflight.json").read_text())
         assert "engine configuration: create_engine_config" in preflight["checked"][name]
         assert preflight["facts"][name]["vllm_version"] == "0.32.0"
-    assert not [f for f in preflight["findings"] if f["level"] == "error"]
+        assert not [f for f in preflight["findings"] if f["level"] == "error"]
 
 
 def test_parquet_tables_hold_exact_measured_requests_of_both_configurations(pipeline_run):
@@ -188,8 +188,7 @@ def test_operational_changes_rerun_nothing(pipeline_run, baseline):
     raw["operations"].update(request_timeout_s=77, log_level="DEBUG", port_range=[8300, 8399], startup_timeout_s=99)
     raw["configurations"]["ngram"]["gpus"] = [3]
     counts, cells = plan(workdir, raw)
-    # Only the preflight, which checks the GPUs a server will take (seconds); no spec, no cell, nothing downstream.
-    assert counts == {"preflight": 1} and cells == set()
+    assert counts == {} and cells == set()
 
 
 def test_adding_a_concurrency_level_plans_exactly_the_new_cells(pipeline_run, baseline):

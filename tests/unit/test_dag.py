@@ -30,7 +30,6 @@ def test_seed_config_plans_every_cell_of_the_grid(workdir):
     counts = planned(snakemake(workdir, "-n", "report"))
     assert counts["cell"] == 3 * 41  # the seed's two configurations and the two together
     assert counts["server_spec"] == counts["server_stop"] == 3
-    assert counts["preflight"] == 1  # once for the run, before the first server
     assert counts["report_html"] == counts["report_pdf"] == 2
     assert "tiny_model" not in counts
 

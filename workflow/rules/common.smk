@@ -84,23 +84,6 @@ def launch_spec(wildcards):
     return canonical_json(EXPERIMENT.public_launch_spec(wildcards.configuration))
 
 
-def preflight_settings(wildcards):
-    """What the preflight's findings depend on: every server as it would start, where, and whether to check."""
-    return canonical_json(
-        {
-            "servers": {
-                name: {
-                    "spec": EXPERIMENT.public_launch_spec(name),
-                    "gpus": list(EXPERIMENT.configuration(name).gpus),
-                }
-                for name in CONFIGURATIONS
-            },
-            "host": EXPERIMENT.operations.host,
-            "enabled": EXPERIMENT.operations.preflight,
-        }
-    )
-
-
 def cells_of_configuration(wildcards):
     return [cell.path for cell in EXPERIMENT.cells(wildcards.configuration)]
 

@@ -5,12 +5,15 @@ servegrid.serving.server, so its presence or absence makes nothing stale.
 """
 
 
+# Writing a configuration's spec is the moment before its server can first start: the job runs servegrid preflight
+# for that configuration (operations.preflight), with the user's vLLM, where the server will run (on a cluster, the
+# configuration's node). It reruns exactly when the spec does: a new server is due then.
 rule server_spec:
     input:
         model_inputs,
-        preflight=ancient(paths.PREFLIGHT_REPORT),
     output:
-        paths.SERVER_SPEC_PATTERN,
+        spec=paths.SERVER_SPEC_PATTERN,
+        preflight=paths.PREFLIGHT_PATTERN,
     log:
         "results/logs/servers/{configuration}/spec.log",
     priority: spec_priority

@@ -16,7 +16,7 @@ STATE_DIR = f"{RESULTS}/.servegrid"  # runtime state of live servers: not a DAG 
 
 CELL_PATTERN = RESULTS + "/cells/{configuration}/{mode}/ctx{context}_c{concurrency}.parquet"
 SERVER_SPEC_PATTERN = RESULTS + "/servers/{configuration}/spec.json"
-PREFLIGHT_REPORT = f"{RESULTS}/preflight.json"  # servegrid preflight, before the first server start
+PREFLIGHT_PATTERN = RESULTS + "/servers/{configuration}/preflight.json"  # written with the spec
 SERVER_STOP_PATTERN = RESULTS + "/servers/{configuration}/stopped.json"
 SERVER_LOG_DIR_PATTERN = RESULTS + "/servers/{configuration}/logs"
 

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from servegrid import atomic, paths
+from servegrid import atomic
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, guarded
 from servegrid.paths import RunTables
@@ -52,41 +52,26 @@ def write_spec(smk: Any) -> None:
     from servegrid.planning import preflight
 
     def body(experiment: Experiment) -> None:
-        preflight.raise_recorded(smk.input.preflight, smk.wildcards.configuration)
-        spec = json.loads(smk.params.spec)
-        atomic.write_json(smk.output[0], spec)
-
-    _run(smk, body)
-
-
-def preflight(smk: Any) -> None:
-    from servegrid.planning import preflight as checks
-
-    def body(experiment: Experiment) -> None:
-        if not experiment.operations.preflight:
+        name = smk.wildcards.configuration
+        if experiment.operations.preflight:
+            report = preflight.run(experiment, [name])
+            for line in report.text().splitlines():
+                logging.getLogger("servegrid").info("%s", line)
+            report.raise_for_errors()  # before this configuration's server loads its weights; names the key
+            atomic.write_json(smk.output.preflight, report.as_json())
+        else:
             logging.getLogger("servegrid").info("preflight skipped (operations.preflight: false)")
-            atomic.write_json(smk.output[0], {"skipped": True})
-            return
-        report = checks.run(experiment)
-        for line in report.text().splitlines():
-            logging.getLogger("servegrid").info("%s", line)
-        # An error of the whole run (a proxy, the checkpoint) stops it here; a configuration's own errors stop that
-        # configuration's spec and cells (raise_recorded), so that --keep-going measures the others.
-        checks.Report(findings=[f for f in report.errors if f.configuration is None]).raise_for_errors()
-        atomic.write_json(smk.output[0], report.as_json())
+            atomic.write_json(smk.output.preflight, {"skipped": True})
+        atomic.write_json(smk.output.spec, json.loads(smk.params.spec))
 
     _run(smk, body)
 
 
 def run_cell(smk: Any) -> None:
     from servegrid.pipeline.cell_job import run_cell as measure
-    from servegrid.planning import preflight
 
     def body(experiment: Experiment) -> None:
         wc = smk.wildcards
-        # Read, not an input: a preflight that reruns must not rerun the cells; one that found this configuration
-        # wrong keeps its server from starting.
-        preflight.raise_recorded(paths.PREFLIGHT_REPORT, wc.configuration)
         cell = experiment.cell(wc.configuration, wc.mode, int(wc.context), int(wc.concurrency))
         written = json.loads(Path(smk.input.spec).read_text(encoding="utf-8"))
         if written != experiment.public_launch_spec(cell.configuration):

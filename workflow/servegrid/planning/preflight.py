@@ -10,10 +10,8 @@ said as plainly (``unchecked``).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from servegrid import engines, redact
@@ -210,16 +208,3 @@ def _run_wide(
         report.unchecked.append(
             "the checkpoint's config.json (not on this machine): its MTP layers and the engine's configuration"
         )
-
-
-def raise_recorded(path: Path | str, configuration: str) -> None:
-    """Before a configuration's server starts in the pipeline: the errors the run's preflight report (``path``, the
-    ``preflight`` job's) found for it, raised naming the key; nothing where there is no report or it was skipped."""
-    try:
-        recorded = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    errors = [Finding(**f) for f in recorded.get("findings", [])
-              if f["level"] == "error" and f["configuration"] in (configuration, None)]  # fmt: skip
-    report = Report(findings=errors)
-    report.raise_for_errors()
