@@ -195,13 +195,12 @@ class VLLMEngine:
         }
         if probe_timeout_s is None:
             return out
-        # One probe process per environment (on a GPU host, per set of GPUs): importing vLLM is most of its time.
-        by_env: dict[str, dict[str, Sequence[str]]] = {}
+        # One probe process per configuration, as each server is one process: in a shared one, a configuration's
+        # engine configuration changed what vLLM said about the next (the CPU demo's ngram got two warnings after
+        # prefix_cache's, none alone).
         for name, launch in servers.items():
-            by_env.setdefault(json.dumps(dict(launch.env), sort_keys=True), {})[name] = launch.argv
-        for env, argvs in by_env.items():
-            for name, (found, facts) in vllm_preflight.probe(argvs, json.loads(env), probe_timeout_s).items():
-                out[name] = (out[name][0] + found, facts)
+            found, facts = vllm_preflight.probe({name: launch.argv}, launch.env, probe_timeout_s)[name]
+            out[name] = (out[name][0] + found, facts)
         return out
 
     def warm_up(self, client: httpx.Client, url: str, model: str) -> None:
