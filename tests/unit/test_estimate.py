@@ -85,3 +85,19 @@ def test_the_cli_prints_the_range_and_the_cores_advice(capsys):
     assert "GPU hours in all" in out
     assert "wall clock with --cores 2:" in out and "(advised: one job per device group)" in out
     assert math.isfinite(float(out.split("GPU hours in all (server start-ups included): ")[1].split("-")[0]))
+
+
+def test_repeats_multiply_the_rounds_and_another_servers_cells_are_not_borrowed(demo_raw, tmp_path):
+    fixed = {"sampling": {"temperature": 0.0}, "workloads.decode.requests_per_session": 5,
+             "workloads.decode.duration_s": 2.0}  # fmt: skip
+    once = estimate.rounds(Experiment(with_changes(demo_raw, **fixed)), Cell("ngram", "decode", 512, 1))
+    assert once == (5, 5, 2.0)
+    demo = Experiment(with_changes(demo_raw, **fixed, **{"workloads.decode.repeats": 3}))
+    assert estimate.rounds(demo, Cell("ngram", "decode", 512, 1)) == (15, 15, 6.0)
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    pd.DataFrame([
+        {"configuration": "ngram", "mode": "decode", "context": 512, "concurrency": 1, "duration_s": 4.0,
+         "primary_n": 40, "started_at": "2026-12-04T10:00:00+00:00", "spec_hash": "another server"},
+    ]).to_parquet(tables / "summary.parquet")  # fmt: skip
+    assert {c.basis for c in estimate.estimate(demo, tmp_path).cells} == {"assumed"}

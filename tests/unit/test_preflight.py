@@ -39,12 +39,13 @@ def test_tensor_parallel_size_against_the_gpus_a_configuration_names(seed_raw, t
     raw["configurations"]["prefix_cache"]["args"] = ["--tensor-parallel-size", "2"]  # TP 2 on gpus [0]
     raw["configurations"]["mtp"]["gpus"] = [0, 1]  # engine.args says TP 1: one of the two would idle
     report = preflight.run(Experiment(raw), probe=False, environ=NO_PROXIES)
-    errors = {key: f.message for f in report.errors if (key := (f.configuration, f.key))}
-    assert "would use 2 GPU(s)" in errors[("prefix_cache", "configurations.prefix_cache.gpus")]
-    assert "the others would idle" in errors[("mtp", "configurations.mtp.gpus")]
-    assert ("mtp_prefix_cache", "configurations.mtp_prefix_cache.gpus") not in errors  # TP 1 on one GPU: right
-    assert len(report.errors) == 2
-    with pytest.raises(PreflightError, match=r"configurations\.prefix_cache\.gpus.*and 1 more"):
+    errors = {(f.configuration, f.key): f.message for f in report.errors}
+    warnings = {(f.configuration, f.key): f.message for f in report.findings if f.level == "warning"}
+    assert "would use 2 GPU(s)" in errors[("prefix_cache", "configurations.prefix_cache.gpus")]  # vLLM would stop
+    assert "the others would idle" in warnings[("mtp", "configurations.mtp.gpus")]  # or a --config file sets TP
+    assert ("mtp_prefix_cache", "configurations.mtp_prefix_cache.gpus") not in {**errors, **warnings}  # TP 1, 1 GPU
+    assert len(report.errors) == 1
+    with pytest.raises(PreflightError, match=r"^preflight: prefix_cache: configurations\.prefix_cache\.gpus: "):
         report.raise_for_errors()
 
 
@@ -163,3 +164,36 @@ def test_the_cli_exits_non_zero_on_an_error_and_writes_its_findings(seed_raw, tm
     written = json.loads((tmp_path / "f.json").read_text())
     assert {f["configuration"] for f in written["findings"] if f["level"] == "error"} == {"mtp", "mtp_prefix_cache"}
     assert cli.main(["preflight", "--no-engine", "--config", str(REPO / "config" / "cpu-demo.yaml")]) == 0
+
+
+def test_a_draft_count_the_mtp_layers_do_not_divide_and_a_dev_mode_vllm_cannot_read(seed_raw, tmp_path):
+    two_layers = checkpoint(tmp_path / "mtp2", model_type="qwen3_next", num_nextn_predict_layers=2)
+    raw = with_changes(seed_raw, **{"model.path": str(two_layers), "engine.env": {"VLLM_SERVER_DEV_MODE": "true"}})
+    report = preflight.run(Experiment(raw), probe=False, environ=NO_PROXIES)
+    errors = {(f.configuration, f.key): f.message for f in report.errors}
+    assert (
+        "must be divisible by n_predict=2" in errors[("mtp", "configurations.mtp.speculative.num_speculative_tokens")]
+    )
+    assert "bool(int(...))" in errors[("prefix_cache", "engine.env.VLLM_SERVER_DEV_MODE")]
+
+
+def test_nvidia_smi_rows_with_a_comma_in_the_name_or_no_memory_figure(monkeypatch):
+    from servegrid.planning import host_checks
+
+    out = "0, NVIDIA H100 80GB HBM3, GPU-aaa, 81000, 81559\n1, Vendor, Model X, GPU-bbb, [N/A], [N/A]\n"
+    monkeypatch.setattr(host_checks.hostinfo, "nvidia_smi", lambda *args: out)
+    memory = host_checks.gpu_memory()
+    assert memory is not None and list(memory) == [0]  # GPU 1 says no figure: left out, not a crash
+    assert memory[0].uuid == "GPU-aaa" and memory[0].free_bytes == 81000 * 2**20
+
+
+def test_a_vllm_console_script_started_through_env_names_its_interpreter(tmp_path, monkeypatch):
+    from servegrid.engines import vllm_preflight
+
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text("#!/usr/bin/env python3\nimport sys\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    python, style, rest = vllm_preflight.probe_target(["vllm", "serve", "/m", "--port", "1"])
+    assert Path(python).name.startswith("python3") and style == "serve" and rest == ["serve", "/m", "--port", "1"]

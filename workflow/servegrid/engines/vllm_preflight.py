@@ -34,9 +34,9 @@ MODULE_STYLES = {
 }
 # Where a checkpoint's config.json keeps its MTP depth (vllm/config/speculative.py, hf_config_override).
 MTP_DEPTH_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
-# Its own words when more draft tokens than MTP layers run (vllm/config/speculative.py, 0.32).
+# Its own words, verbatim; it says them whenever more than one draft token runs (vllm/config/speculative.py).
 MTP_REUSE_REASON = (
-    "Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer, "
+    "Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer,"
     "which may result in lower acceptance rate"
 )
 
@@ -51,11 +51,13 @@ def flag_value(args: Sequence[str], *names: str) -> str | None:
 
 
 def devices_needed(args: Sequence[str]) -> int:
-    """GPUs one server uses: tensor × pipeline × data parallel sizes (vllm/config/parallel.py's world size)."""
+    """GPUs one server uses: tensor × pipeline × prefill-context × data parallel sizes (vllm/config/parallel.py's
+    world size, data parallelism on one node added). Sizes set in a ``--config`` file are not seen here."""
     size = 1
     for names in (
         ("--tensor-parallel-size", "-tp"),
         ("--pipeline-parallel-size", "-pp"),
+        ("--prefill-context-parallel-size", "-pcp"),
         ("--data-parallel-size", "-dp"),
     ):
         with contextlib.suppress(TypeError, ValueError):
@@ -82,16 +84,25 @@ def static_findings(
     findings = []
     needed = devices_needed(args)
     if gpus and needed != len(gpus):
+        # More than it gets: vLLM stops at start-up. Fewer: the others idle (or a --config file sets the sizes).
         findings.append(
             EngineFinding(
-                "error",
-                f"the server would use {needed} GPU(s) (tensor × pipeline × data parallel size) but the "
+                "error" if needed > len(gpus) else "warning",
+                f"the server would use {needed} GPU(s) (tensor × pipeline × context × data parallel size) but the "
                 f"configuration names {len(gpus)} ({list(gpus)}): "
                 + ("the others would idle" if needed < len(gpus) else "vLLM stops at start-up"),
                 "gpus",
             )
         )
-    if env.get(DEV_MODE_VAR, "0").strip() in ("", "0"):
+    dev_mode = env.get(DEV_MODE_VAR, "0").strip()
+    if not dev_mode.lstrip("-").isdigit():
+        findings.append(
+            EngineFinding(
+                "error", f"{DEV_MODE_VAR}={dev_mode!r}: vLLM reads it as an integer (bool(int(...))) and stops; "
+                "write \"1\"", f"env:{DEV_MODE_VAR}",
+            )
+        )  # fmt: skip
+    elif int(dev_mode) == 0:
         findings.append(
             EngineFinding(
                 "warning",
@@ -117,13 +128,22 @@ def static_findings(
             )
         else:
             tokens = int((speculative or {}).get("num_speculative_tokens") or 1)
-            if tokens > depth:
+            if tokens % depth:  # vllm/config/speculative.py refuses it when it builds the engine's configuration
+                findings.append(
+                    EngineFinding(
+                        "error",
+                        f"{tokens} draft tokens from {depth} MTP layers of {model_type}: vLLM 0.32 refuses a count "
+                        f"not divisible by the layers (num_speculative_tokens:{tokens} must be divisible by "
+                        f"n_predict={depth})",
+                        "speculative.num_speculative_tokens",
+                    )
+                )
+            elif tokens > depth:
                 findings.append(
                     EngineFinding(
                         "warning",
-                        f"{tokens} draft tokens from {depth} MTP layer(s) of {model_type}: vLLM says "
-                        f'"{MTP_REUSE_REASON}"'
-                        + (f"; and vLLM 0.32 refuses a count not divisible by {depth}" if tokens % depth else ""),
+                        f"{tokens} draft tokens from {depth} MTP layer(s) of {model_type}: each layer runs "
+                        f'{tokens // depth} times; vLLM says "{MTP_REUSE_REASON}"',
                         "speculative.num_speculative_tokens",
                     )
                 )
@@ -142,10 +162,13 @@ def probe_target(argv: Sequence[str]) -> tuple[str, str, list[str]] | None:
     executable = shutil.which(argv[0]) if argv else None
     if executable is None or Path(executable).name != "vllm":
         return None
-    with contextlib.suppress(OSError, UnicodeDecodeError):
+    with contextlib.suppress(OSError, UnicodeDecodeError, IndexError):
         first = Path(executable).read_text(encoding="utf-8").splitlines()[0]
         if first.startswith("#!") and "python" in first:
-            return first[2:].strip().split()[0], "serve", list(argv[1:])
+            words = first[2:].split()
+            if Path(words[0]).name == "env":  # "#!/usr/bin/env python3": the interpreter PATH names
+                return shutil.which(words[1]) or words[1], "serve", list(argv[1:])
+            return words[0], "serve", list(argv[1:])
     return None
 
 
@@ -200,9 +223,8 @@ def probe(
             return every(EngineFinding("warning", f"the probe in {python} took over {timeout_s:.0f} s: unchecked"))
         if not result.exists():
             tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-            return every(
-                EngineFinding("error", f"the probe failed in {python} (exit {done.returncode}): {tail[-400:]}")
-            )
+            message = f"the probe could not run in {python} (exit {done.returncode}): {tail[-400:]}; flags unchecked"
+            return every(EngineFinding("warning", message))
         answers = json.loads(result.read_text(encoding="utf-8"))
     for name, answer in answers.items():
         findings = [

@@ -25,9 +25,23 @@ class Checkpoint:
     why_unknown: str = ""  # what could not be learned, in words
 
 
+def weight_files(names: list[str]) -> list[str]:
+    """The files a server loads: the top folder's safetensors where there are any (as vLLM prefers them), else its
+    other weight files; never a second copy in another format, a subfolder's (``original/``) or training state."""
+    top = [n for n in names if "/" not in n and n.endswith(WEIGHT_SUFFIXES) and not n.startswith("training_")]
+    safetensors = [n for n in top if n.endswith(".safetensors")]
+    return safetensors or top
+
+
 def weights_in(folder: Path) -> int:
     """Bytes of the weight files in ``folder`` (the cache's symlinks followed)."""
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    names = [p.name for p in folder.iterdir() if p.is_file()]
+    return sum((folder / n).stat().st_size for n in weight_files(names))
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _read_config(folder: Path) -> dict[str, Any] | None:
@@ -57,10 +71,13 @@ def locate(path: str, built_by_pipeline: bool, hub_timeout_s: float = 20.0) -> C
 
     try:
         folder = Path(snapshot_download(path, local_files_only=True))
-        return Checkpoint(path, folder, _read_config(folder), weights_in(folder), local=True)
+        weights = weights_in(folder)
+        # A snapshot of config.json alone (an earlier preflight fetched it) is not the checkpoint.
+        if weights:
+            return Checkpoint(path, folder, _read_config(folder), weights, local=True)
     except (LocalEntryNotFoundError, OSError, ValueError):
         pass
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+    if offline():
         return Checkpoint(
             path, None, None, None, local=False, why_unknown="HF_HUB_OFFLINE is set: the Hub is not asked"
         )
@@ -82,7 +99,8 @@ def _on_the_hub(repo: str, timeout_s: float) -> Checkpoint:
             local=False,
             why_unknown=f"the Hub did not say ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
         )
-    size = sum(s.size or 0 for s in info.siblings or [] if s.rfilename.endswith(WEIGHT_SUFFIXES))
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+    size = sum(sizes[n] for n in weight_files(list(sizes)))
     config = None
     # A few kilobytes, into the cache the server would use anyway; without it the size is still worth saying.
     with contextlib.suppress(Exception):

@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from servegrid import modes
-from servegrid.config import Cell, Experiment
+from servegrid.config import Cell, Experiment, spec_hash
 from servegrid.paths import RunTables
 
 
@@ -111,19 +111,19 @@ def unit_seconds(experiment: Experiment, cell: Cell, speed: Mapping[str, float])
 
 
 def rounds(experiment: Experiment, cell: Cell) -> tuple[int, int, float]:
-    """(fewest rounds, most rounds, measuring time limit in s) of the cell under its sampling rule."""
+    """(fewest rounds, most rounds, measuring time limit in s) of the cell under its sampling rule, every repeat
+    (``repeats``: the measured phase again on a clean cache) counted."""
     rule = experiment.sampling_rules[cell.mode]
     settings = experiment.workloads[cell.mode].settings
+    repeats = int(settings.get("repeats") or 1)
     if rule is None:
+        limit = float(settings["duration_s"]) * repeats if settings.get("duration_s") else math.inf
         if settings.get("requests_per_session"):
-            fixed = int(settings["requests_per_session"])
-            return fixed, fixed, math.inf
-        return 1, 10**9, float(settings["duration_s"])
-    return (
-        math.ceil(rule.min_samples / cell.concurrency),
-        math.ceil(rule.max_samples / cell.concurrency),
-        (rule.max_duration_s),
-    )
+            fixed = int(settings["requests_per_session"]) * repeats
+            return fixed, fixed, limit
+        return repeats, 10**9, limit
+    fewest, most = math.ceil(rule.min_samples / cell.concurrency), math.ceil(rule.max_samples / cell.concurrency)
+    return fewest * repeats, most * repeats, rule.max_duration_s * repeats
 
 
 def earlier_rounds(results: Path) -> pd.DataFrame:
@@ -176,7 +176,14 @@ def _cell(experiment: Experiment, cell: Cell, measured: pd.DataFrame, fast: Mapp
     fewest, most, limit = rounds(experiment, cell)
     round_time, basis = Range(unit_seconds(experiment, cell, fast), unit_seconds(experiment, cell, slow)), "assumed"
     if not measured.empty:
-        same = measured[(measured["configuration"] == cell.configuration) & (measured["mode"] == cell.mode)]
+        # Only cells measured on this configuration's server as it is now (another config's results, or a server
+        # with other flags, say nothing about it).
+        server = spec_hash(experiment.launch_spec(cell.configuration))
+        same = measured[
+            (measured["configuration"] == cell.configuration)
+            & (measured["mode"] == cell.mode)
+            & (measured.get("spec_hash", server) == server)
+        ]
         exact = same[(same["context"] == cell.context) & (same["concurrency"] == cell.concurrency)]
         if not exact.empty:
             seconds = float(exact["round_s"].iloc[0])

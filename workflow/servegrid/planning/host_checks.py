@@ -41,11 +41,15 @@ def gpu_memory() -> dict[int, GpuMemory] | None:
         return None
     rows = {}
     for line in out.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 5 or not parts[0].isdigit():
+        index, _, rest = line.partition(",")
+        parts = [p.strip() for p in rest.rsplit(",", 3)]  # a GPU's name may hold a comma; the rest cannot
+        if not index.strip().isdigit() or len(parts) != 4:
             continue
-        index, name, uuid, free, total = parts
-        rows[int(index)] = GpuMemory(int(index), name, uuid, int(float(free) * 2**20), int(float(total) * 2**20))
+        name, uuid, free, total = parts
+        try:  # MiB; "[N/A]" where the device does not say (unified memory, some vGPUs): left out, said unchecked
+            rows[int(index)] = GpuMemory(int(index), name, uuid, int(float(free) * 2**20), int(float(total) * 2**20))
+        except ValueError:
+            continue
     return rows
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from servegrid import engines, redact
 from servegrid.config import Experiment
-from servegrid.errors import PreflightError
+from servegrid.errors import PreflightError, ServerError
 from servegrid.planning import checkpoint, host_checks
-from servegrid.serving import server
+from servegrid.serving import server, state
 
 LEVELS = ("error", "warning", "note")
 PROBE_TIMEOUT_S = 300.0  # importing vLLM takes 10-50 s on a busy CPU host; building its config a few more
@@ -117,8 +117,13 @@ def run(
         conf = experiment.configuration(name)
         spec = experiment.launch_spec(name)
         runtime = server.Runtime.from_config(experiment.operations, conf)
-        argv, env = server.launch_command(spec, runtime, runtime.port_range[0])
-        launches[name] = engines.ServerLaunch(argv, env, list(conf.gpus), spec["speculative"])
+        try:
+            argv, env = server.launch_command(spec, runtime, runtime.port_range[0])
+        except ServerError as exc:  # the API key's variable unset: said as a finding, the others still checked
+            report.findings.append(Finding("error", name, "engine.api_key_env", str(exc)))
+            continue
+        # The GPUs the server will get (inside a Slurm job, those Slurm gave it), not the config's numbers.
+        launches[name] = engines.ServerLaunch(argv, env, list(runtime.gpus), spec["speculative"])
     answers = engine.preflight(launches, ckpt.config, PROBE_TIMEOUT_S if probe else None)
     for name, launch in launches.items():
         found, facts = answers[name]
@@ -138,8 +143,16 @@ def run(
                 for problem in host_checks.visible_gpu_findings(launch.gpus, memory, facts["cuda_devices"]):
                     report.findings.append(Finding("error", name, f"configurations.{name}.gpus", problem))
             claim = engine.gpu_memory_claim(launch.argv)
+            # servegrid's own server of another configuration on these GPUs is stopped before this one starts.
+            ours = own_servers_on(experiment, name, launch.gpus)
+            level = "warning" if ours else "error"
             for problem in host_checks.memory_findings(launch.gpus, memory, ckpt.weights_bytes, claim):
-                report.findings.append(Finding("error", name, f"configurations.{name}.gpus", problem))
+                said = (
+                    f"{problem} (servegrid's own server of {', '.join(ours)} holds it now: stopped first)"
+                    if ours
+                    else problem
+                )
+                report.findings.append(Finding(level, name, f"configurations.{name}.gpus", said))
         report.checked[name] = checked
         if facts:
             report.facts[name] = facts
@@ -208,3 +221,13 @@ def _run_wide(
         report.unchecked.append(
             "the checkpoint's config.json (not on this machine): its MTP layers and the engine's configuration"
         )
+
+
+def own_servers_on(experiment: Experiment, name: str, gpus: list[int]) -> list[str]:
+    """Other configurations whose servegrid server is live on any of ``gpus`` (their memory is not another user's)."""
+    runtime = server.Runtime.from_config(experiment.operations, experiment.configuration(name))
+    return sorted(
+        other
+        for other, record in state.records(runtime).items()
+        if other not in (name, state.GATEWAY) and set(record.get("gpus") or []) & set(gpus) and state.live(record)
+    )
