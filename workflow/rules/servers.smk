@@ -7,13 +7,14 @@ servegrid.serving.server, so its presence or absence makes nothing stale.
 
 # Writing a configuration's spec is the moment before its server can first start: the job runs servegrid preflight
 # for that configuration (operations.preflight), with the user's vLLM, where the server will run (on a cluster, the
-# configuration's node). It reruns exactly when the spec does: a new server is due then.
+# configuration's node). It reruns exactly when the spec does: a new server is due then. Its report
+# (paths.PREFLIGHT_PATTERN) is no declared output: a new output would rerun every spec of an earlier run, and with
+# them every cell.
 rule server_spec:
     input:
         model_inputs,
     output:
-        spec=paths.SERVER_SPEC_PATTERN,
-        preflight=paths.PREFLIGHT_PATTERN,
+        paths.SERVER_SPEC_PATTERN,
     log:
         "results/logs/servers/{configuration}/spec.log",
     priority: spec_priority

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from servegrid import atomic
+from servegrid import atomic, paths
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError, guarded
 from servegrid.paths import RunTables
@@ -53,16 +53,17 @@ def write_spec(smk: Any) -> None:
 
     def body(experiment: Experiment) -> None:
         name = smk.wildcards.configuration
+        report_path = paths.PREFLIGHT_PATTERN.format(configuration=name)
         if experiment.operations.preflight:
             report = preflight.run(experiment, [name])
             for line in report.text().splitlines():
                 logging.getLogger("servegrid").info("%s", line)
+            atomic.write_json(report_path, report.as_json())
             report.raise_for_errors()  # before this configuration's server loads its weights; names the key
-            atomic.write_json(smk.output.preflight, report.as_json())
         else:
             logging.getLogger("servegrid").info("preflight skipped (operations.preflight: false)")
-            atomic.write_json(smk.output.preflight, {"skipped": True})
-        atomic.write_json(smk.output.spec, json.loads(smk.params.spec))
+            atomic.write_json(report_path, {"skipped": True})
+        atomic.write_json(smk.output[0], json.loads(smk.params.spec))
 
     _run(smk, body)
 
