@@ -60,6 +60,8 @@ def visible_gpu_findings(
     under the configuration's indices (``seen``: name and UUID of each, from the engine's probe)."""
     expected = [memory[i].uuid for i in gpus if i in memory]
     got = [d["uuid"] for d in seen]
+    if any(u.startswith("MIG-") for u in got):  # torch names the MIG instance, nvidia-smi its parent: not comparable
+        return []
     if got == expected:
         return []
     return [
