@@ -30,7 +30,7 @@ def shared_config(model_dir: Path) -> dict[str, Any]:
                     "args": ["--load-format", "dummy", "--max-model-len", "8192"],
                     "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
                 },
-                bind_threads=False,  # unpinned, as it always was: the shared server of the session
+                bind_threads=True,
             ),
         },
         "configurations": {

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy import stats as sps
 
 from servegrid.stats import sampling
 
@@ -43,7 +42,9 @@ def median_ci(values: Sequence[float] | np.ndarray, seed: int = 0) -> tuple[floa
         return None, None
     if np.all(arr == arr[0]):
         return float(arr[0]), float(arr[0])
-    result = sps.bootstrap(
+    from scipy import stats  # here, not at the top: every job imports this module, few bootstrap (0.7 s a start)
+
+    result = stats.bootstrap(
         (arr,),
         np.median,
         confidence_level=CONFIDENCE,
