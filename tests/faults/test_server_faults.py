@@ -295,41 +295,42 @@ def test_no_server_outlives_a_terminated_snakemake(workdir, matrix):
     rerun_completes(workdir)
 
 
-# ---- faults between two cells ---------------------------------------------------------------------------
+# ---- faults between two cells: a second chain ------------------------------------------------------------
+#
+# A grid of three short cells on one working copy. The first fault (kill -9 of Snakemake as its second cell starts)
+# leaves one cell measured; its rerun (check 4) is the second fault's run: it measures the other two, the engine
+# hung between them, and completes the grid. Three vLLM starts for two faults instead of four.
+
+BETWEEN_CONTEXTS = (256, 512, 768)
 
 
-def test_engine_hang_between_cells_is_not_reused(workdir, matrix):
-    raw = vllm_config(decode={"contexts": [256, 512], "concurrency": [1], "output_tokens": 16})
-    raw["operations"]["stall_floor_s"] = 3
-    proc = start(workdir, raw)
-    cells = {c: workdir / f"results/cells/prefix_cache/decode/ctx{c}_c1.parquet" for c in (256, 512)}
-    assert wait_for(lambda: any(p.exists() for p in cells.values()), 600, step_s=0.05), "no cell finished"
-    hung = server_record(workdir)
-    engine_core(hung).send_signal(signal.SIGSTOP)  # before the second cell's job asks to reuse the server
-    (second,) = [c for c, path in cells.items() if not path.exists()]  # Snakemake picks the order
-    proc.wait(timeout=600)
-    assert proc.returncode == 0, (workdir / "snakemake.out").read_text()[-3000:]
-    second_log = (workdir / f"results/logs/cells/prefix_cache/decode/ctx{second}_c1.log").read_text()
-    replaced = f"server session {hung['session']} of configuration 'prefix_cache' did not complete a tiny request"
-    assert replaced in second_log
-    match = re.search(r"\(ReadTimeout after ([\d.]+) s, limit (\d+) s\): replaced, not reused", second_log)
-    assert match, second_log[-3000:]
-    measured_on = cell_file.read_cell(cells[second])[1]["server"]
-    assert measured_on["session"] != hung["session"]
-    assert half_written(workdir) == []
-    assert wait_no_survivors(workdir, 45) == []  # the SIGSTOPped engine included
-    matrix.record("hang-between-cells", float(match[1]), f"the liveness check; limit {match[2]} s")
+def between_cells(workdir: Path) -> dict[int, Path]:
+    return {c: workdir / f"results/cells/prefix_cache/decode/ctx{c}_c1.parquet" for c in BETWEEN_CONTEXTS}
 
 
-def test_kill_9_as_the_next_cell_starts_leaves_no_server(workdir, matrix):
-    raw = vllm_config(decode={"contexts": [256, 512], "concurrency": [1], "output_tokens": 16})
-    proc = start(workdir, raw)
-    cells = {c: workdir / f"results/cells/prefix_cache/decode/ctx{c}_c1.parquet" for c in (256, 512)}
+def between_grid(**operations: Any) -> dict[str, Any]:
+    raw = vllm_config(decode={"contexts": list(BETWEEN_CONTEXTS), "concurrency": [1], "output_tokens": 16})
+    raw["operations"].update(operations)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def between(tmp_path_factory):  # type: ignore[no-untyped-def]
+    workdir = copy_workflow(tmp_path_factory.mktemp("between") / "wf")
+    yield workdir
+    kill_survivors(workdir)
+
+
+def test_kill_9_as_the_next_cell_starts_leaves_no_server(between, matrix):
+    workdir = between
+    proc = start(workdir, between_grid())
+    cells = between_cells(workdir)
     try:
         assert wait_for(lambda: any(p.exists() for p in cells.values()), 600, step_s=0.05), "no cell finished"
-        (second,) = [c for c, path in cells.items() if not path.exists()]  # Snakemake picks the order
-        second_log = workdir / f"results/logs/cells/prefix_cache/decode/ctx{second}_c1.log"
-        assert wait_for(second_log.exists, 60, step_s=0.02), "the second cell never started"
+        (first,) = [c for c, path in cells.items() if path.exists()]
+        # The next cell Snakemake picks (its order is its own): whichever log appears first.
+        logs = {c: workdir / f"results/logs/cells/prefix_cache/decode/ctx{c}_c1.log" for c in cells if c != first}
+        assert wait_for(lambda: any(log.exists() for log in logs.values()), 60, step_s=0.02), "no next cell started"
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         assert wait_no_survivors(workdir, 60) == []
@@ -339,10 +340,39 @@ def test_kill_9_as_the_next_cell_starts_leaves_no_server(workdir, matrix):
             os.killpg(proc.pid, signal.SIGKILL)
     sessions = list((workdir / "results/servers/prefix_cache/logs").glob("*[0-9a-f].log"))
     assert len(sessions) == 1, f"a server was started after its owner was gone: {sessions}"
-    assert not cells[second].exists()
+    assert [c for c, path in cells.items() if path.exists()] == [first]  # the next cell left nothing
     assert half_written(workdir) == []
     matrix.record("snakemake-sigkill-next-cell", seconds, "until no process is left")
-    rerun_completes(workdir, [str(path.relative_to(workdir)) for path in cells.values()], unlock=True)
+
+
+def test_engine_hang_between_cells_is_not_reused(between, matrix):
+    """Also check 4 of the kill -9 before it: refused until unlocked, then this run completes the grid."""
+    workdir = between
+    kill_survivors(workdir)  # nothing to kill unless the test before failed
+    rerun_after_kill_9_is_refused_until_unlocked(workdir)
+    cells = between_cells(workdir)
+    measured_before = {c for c, path in cells.items() if path.exists()}
+    assert len(measured_before) == 1, measured_before
+    proc = start(workdir, between_grid(stall_floor_s=3))
+    left = {c: path for c, path in cells.items() if c not in measured_before}
+    assert wait_for(lambda: any(p.exists() for p in left.values()), 600, step_s=0.05), "no cell finished"
+    hung = server_record(workdir)
+    engine_core(hung).send_signal(signal.SIGSTOP)  # before the next cell's job asks to reuse the server
+    (second,) = [c for c, path in left.items() if not path.exists()]  # Snakemake picks the order
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (workdir / "snakemake.out").read_text()[-3000:]
+    second_log = (workdir / f"results/logs/cells/prefix_cache/decode/ctx{second}_c1.log").read_text()
+    replaced = f"server session {hung['session']} of configuration 'prefix_cache' did not complete a tiny request"
+    assert replaced in second_log
+    match = re.search(r"\(ReadTimeout after ([\d.]+) s, limit (\d+) s\): replaced, not reused", second_log)
+    assert match, second_log[-3000:]
+    measured_on = cell_file.read_cell(cells[second])[1]["server"]
+    assert measured_on["session"] != hung["session"]
+    assert all(path.exists() for path in cells.values())
+    assert (workdir / "results" / "tables" / "summary.parquet").exists()
+    assert half_written(workdir) == []
+    assert wait_no_survivors(workdir, 45) == []  # the SIGSTOPped engine included
+    matrix.record("hang-between-cells", float(match[1]), f"the liveness check; limit {match[2]} s")
 
 
 # ---- start-up faults and a server's own limit ----------------------------------------------------------
