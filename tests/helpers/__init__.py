@@ -109,8 +109,10 @@ def synthetic_cell(
     hit_rate: float | None = None,
     preemptions: float = 0.0,
     kv_usage_max: float = 0.1,
+    server: dict[str, Any] | None = None,
 ) -> None:
-    """Write a cell file with known timings, as servegrid.pipeline.cell_job would (for aggregation/report tests)."""
+    """Write a cell file with known timings, as servegrid.pipeline.cell_job would (for aggregation/report tests);
+    ``server`` replaces facts of the server record (block_size, cache_mode, hit_blocks_dropped, ...)."""
     import random as _random
 
     from servegrid.records import cell_file
@@ -191,6 +193,7 @@ def synthetic_cell(
             "started_at": "2026-11-29T10:00:00+0000",
             "block_size": 16,
             "host": {"cpu": "Test CPU", "cpu_count": 2, "memory_gib": 23.5, "os": "Linux", "gpus": []},
+            **(server or {}),
         },
         "started_at": "2026-11-29T10:00:00+00:00",
         "duration_s": (t - 1_000_000_000) / 1e9,

@@ -19,6 +19,7 @@ from servegrid.analysis.cell_rows import HOOK_COLUMNS, CellRows
 from servegrid.analysis.requests_table import CELL_KEYS
 from servegrid.config import Experiment, Validity
 from servegrid.engines import metrics
+from servegrid.engines.base import PrefixCache
 from servegrid.records.per_request import PER_REQUEST, per_token_itl
 from servegrid.stats import intervals, sampling
 
@@ -109,15 +110,18 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     row["engine_version"] = server.get("engine_version")
     row["kv_cache_tokens"] = server.get("kv_cache_tokens")
     row["block_size"] = server.get("block_size")
+    row["cache_mode"] = server.get("cache_mode")
+    # Cell files from before the server said how it reuses blocks: every matched block (the rule until then).
+    prefix_cache = PrefixCache(block=row["block_size"] or 1, dropped=server.get("hit_blocks_dropped") or 0)
     row["server_session"] = server.get("session")
     row["spec_hash"] = meta["spec_hash"]
     row["started_at"] = meta["started_at"]
     row["cache_state"] = meta.get("cache_state")
     row["expected_hit_rate"] = mode.expected_hit_rate(
-        bool(row["prefix_caching"]), meta["settings"], measured_frame, row["block_size"]
+        bool(row["prefix_caching"]), meta["settings"], measured_frame, prefix_cache
     )
     validity = experiment.validity
-    row["peak_tokens_asked"] = peak_tokens_asked(measured_frame, cell["concurrency"])
+    row["peak_tokens_asked"] = peak_tokens_asked(measured_frame, cell["concurrency"], prefix_cache)
     row["kv_limited"] = kv_limited(row, cell["concurrency"])
     # A cell past the KV capacity evicts cached blocks to make room: fewer hits than its mode expects are
     # that regime (the seed's "pinned cache blocks"), not a cell that measured something else.
@@ -191,12 +195,13 @@ def cache_contradicts(expected: float, measured: float | None, validity: Validit
     return measured < validity.min_hit_rate_fraction * expected
 
 
-def peak_tokens_asked(measured: pd.DataFrame, concurrency: int) -> int | None:
-    """KV tokens the cell could hold at once: its sessions × its longest request."""
+def peak_tokens_asked(measured: pd.DataFrame, concurrency: int, cache: PrefixCache | None = None) -> int | None:
+    """KV tokens the cell could hold at once: its sessions × its longest request, in the whole blocks the pool
+    hands out (a 300-token request holds a whole 384-token block of a hybrid model's pool)."""
     if measured.empty:
         return None
     longest = (measured["prompt_tokens_requested"] + measured["output_tokens_requested"]).max()
-    return int(longest * concurrency)
+    return int((cache or PrefixCache()).held_tokens(longest) * concurrency)
 
 
 def kv_limited(row: dict[str, Any], concurrency: int = 1) -> bool:

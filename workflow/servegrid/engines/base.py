@@ -37,6 +37,31 @@ class EngineFacts:
     version: str | None = None
     max_model_len: int | None = None
     block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
+    # How a hybrid model's recurrent layers cache their state (vLLM's mamba_cache_mode: "align" saves it at every
+    # block boundary, which is what lets a prefix hit at all); None for an engine that does not say.
+    cache_mode: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """How a server's prefix cache hands out hits, as the server reports it (servegrid.engines: EngineFacts and
+    the engine's rule for its draft method): what a mode's expected hit rate is counted in.
+
+    ``block``: tokens per cacheable block; hits come in whole blocks (vLLM's block size: 16 on GPU, 128 on CPU,
+    and for a hybrid model with prefix caching the enlarged block of its "align" mode, e.g. 384, since its
+    recurrent state is saved only at those boundaries). ``dropped``: matched blocks the engine does not reuse at
+    the end of a hit (vLLM drops the last one for drafts that read the target's hidden states: EAGLE, MTP)."""
+
+    block: int = 1
+    dropped: int = 0
+
+    def hit_tokens(self, cached: int | float) -> int:
+        """Tokens of a prompt that hit, when its first ``cached`` tokens are in the cache."""
+        return max(int(cached) // self.block - self.dropped, 0) * self.block
+
+    def held_tokens(self, tokens: int | float) -> int:
+        """Tokens of the pool a request of ``tokens`` tokens holds: whole blocks."""
+        return -(-int(tokens) // self.block) * self.block
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,10 @@ class Engine(Protocol):
     def startup_facts(self, log_text: str) -> StartupFacts:
         """Capacity facts from the server's start-up log."""
 
+    def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
+        """How the running server hands out prefix-cache hits: the block it reports, and the matched blocks its
+        draft method (``speculative``, as the config gives it) keeps from reuse."""
+
     def loads_checkpoint(self) -> bool:
         """Whether the server loads model.path (a checkpoint the preflight looks for)."""
 
@@ -116,7 +145,7 @@ class Engine(Protocol):
         server is the one it launched, and not another process on the same port."""
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
-        """Version, context limit and KV block size, as the running server reports them."""
+        """Version, context limit, KV block size and cache mode, as the running server reports them."""
 
     def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
         """Empty the server's prefix cache if it lets us; True when it did."""

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servegrid import redact
 from servegrid.engines import metrics, vllm_preflight
-from servegrid.engines.base import EngineFacts, EngineFinding, ServerLaunch, StartupFacts
+from servegrid.engines.base import EngineFacts, EngineFinding, PrefixCache, ServerLaunch, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 
 KV_TOKENS_RE = re.compile(r"(?:GPU|CPU|XPU|TPU)? ?KV cache size: ([\d,]+) tokens")
@@ -38,6 +38,9 @@ RESERVED_FLAGS = (
     "--no-enable-prefix-caching",
     "--speculative-config",
 )
+# Draft methods that read the target's hidden states (vLLM 0.32 SpeculativeConfig.use_eagle; every "<model>_mtp"
+# method name is MTP too, renamed "mtp" by vLLM): with them a prefix-cache hit reuses one block fewer.
+HIDDEN_STATE_DRAFTS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
 API_KEY_VAR = "VLLM_API_KEY"  # what vLLM's server reads its key from
 
 _ALIASES = {
@@ -217,14 +220,28 @@ class VLLMEngine:
         return []
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
-        version = max_model_len = block_size = None
+        version = max_model_len = block_size = cache_mode = None
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             version = client.get(f"{url}/version").json()["version"]
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
             max_model_len = client.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            block_size = int(cache_config(client.get(f"{url}{self.metrics_path}").text)["block_size"])
-        return EngineFacts(version=version, max_model_len=max_model_len, block_size=block_size)
+            # The front end's copy of the engine's cache config, block_size synced from the engine core after it
+            # started (vLLM 0.32 core_client: a hybrid model's block enlarged there, e.g. 384, shows here).
+            labels = cache_config(client.get(f"{url}{self.metrics_path}").text)
+            block_size = int(labels["block_size"])
+            cache_mode = labels.get("mamba_cache_mode")
+        return EngineFacts(version=version, max_model_len=max_model_len, block_size=block_size, cache_mode=cache_mode)
+
+    def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
+        # vLLM 0.32 (config/speculative.py use_eagle_block_drop, v1/core/single_type_kv_cache_manager.py): a draft
+        # that reads the target's hidden states makes the scheduler drop the last matched block of every hit,
+        # unless the speculative config sets disable_eagle_block_drop.
+        method = str((speculative or {}).get("method") or "")
+        drops = (method in HIDDEN_STATE_DRAFTS or method.endswith("_mtp")) and not (speculative or {}).get(
+            "disable_eagle_block_drop"
+        )
+        return PrefixCache(block=facts.block_size or 1, dropped=1 if drops else 0)
 
     def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
         # Served only with VLLM_SERVER_DEV_MODE=1; without it every cell still starts from fresh prompts.

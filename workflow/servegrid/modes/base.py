@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from servegrid.engines.base import PrefixCache
 from servegrid.modes.primary import Primary
 
 if TYPE_CHECKING:
     from servegrid.modes.runner import MeasureHook, WorkloadContext
 
-__all__ = ["N_", "FigureSpec", "Mode", "Primary", "Runner"]
+__all__ = ["N_", "FigureSpec", "Mode", "PrefixCache", "Primary", "Runner"]
 
 Runner = Callable[["WorkloadContext", "MeasureHook"], Awaitable[None]]
 
@@ -68,7 +69,7 @@ class Mode:
     summary_columns: tuple[str, ...] = ()  # extra summary columns (None for other modes' cells)
     partial: str | None = None  # an extra report template section (report/templates/modes/...)
     summarize: Callable[[pd.DataFrame, pd.DataFrame], dict[str, Any]] | None = None
-    expected_hits: Callable[[Mapping[str, Any], pd.DataFrame, int], float] | None = None
+    expected_hits: Callable[[Mapping[str, Any], pd.DataFrame, PrefixCache], float] | None = None
     corpus_extra: Callable[[Mapping[str, Any]], int] = lambda workload: 0
     # Tokens the longest request of a cell holds at its end (prompt + output), from its context and
     # settings; None: context + corpus_extra + output_tokens.
@@ -81,12 +82,12 @@ class Mode:
     describe: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda workload: {}
 
     def expected_hit_rate(
-        self, prefix_caching: bool, settings: Mapping[str, Any], measured: pd.DataFrame, block_size: int | None
+        self, prefix_caching: bool, settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache
     ) -> float:
         """The prefix-cache hit rate this mode should produce over ``measured``: 0 without prefix caching."""
         if not prefix_caching or measured.empty or self.expected_hits is None:
             return 0.0
-        return float(self.expected_hits(settings, measured, block_size or 1))
+        return float(self.expected_hits(settings, measured, cache))
 
     def extra_columns(self, valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any]:
         """This mode's own summary columns for one cell (valid measured requests; every request)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from servegrid.modes.base import N_, FigureSpec, Mode, Primary
+from servegrid.modes.base import N_, FigureSpec, Mode, PrefixCache, Primary
 from servegrid.modes.registry import register
 from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_in_stages
 from servegrid.stats import intervals
@@ -94,16 +94,16 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     await measure_in_stages(ctx, measure, conversations, measured, settle=count_prompts)
 
 
-def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, block: int) -> float:
-    """Each turn after the first finds the previous turn's prompt cached, in whole KV blocks
-    (the reply may add a little more, which makes the measured rate at least this)."""
+def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
+    """Each turn after the first finds the previous turn's prompt cached, in the whole blocks the server reuses
+    (PrefixCache; the reply may add a little more, which makes the measured rate at least this)."""
     hits = total = 0
     for _, conversation in measured.sort_values("turn").groupby(["session", "seq"]):
         previous = None
         for prompt in conversation["prompt_tokens_reported"].astype(float):
             total += prompt
             if previous is not None:
-                hits += (previous // block) * block
+                hits += cache.hit_tokens(previous)
             previous = prompt
     return float(hits / total) if total else 0.0
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from servegrid.modes.base import N_, FigureSpec, Mode, Primary
+from servegrid.modes.base import N_, FigureSpec, Mode, PrefixCache, Primary
 from servegrid.modes.registry import register
 from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_completions, send_one_by_one
 
@@ -38,10 +38,10 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     await measure_completions(ctx, measure, shared)
 
 
-def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, block: int) -> float:
-    """The shared prefix, floored to whole KV blocks (hits come in blocks), over prefix + suffix."""
+def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
+    """The shared prefix in the whole blocks the server reuses (PrefixCache), over prefix + suffix."""
     prefix = settings["context"]
-    return (prefix // block) * block / (prefix + settings["workload"]["suffix_tokens"])
+    return cache.hit_tokens(prefix) / (prefix + settings["workload"]["suffix_tokens"])
 
 
 def probe_columns(valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any]:

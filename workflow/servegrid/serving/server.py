@@ -223,6 +223,7 @@ def _start(
             stop_record(record, runtime, reason="start-up failed")
         raise
     capacity = engine.startup_facts(log_path.read_text(encoding="utf-8", errors="replace"))
+    prefix_cache = engine.prefix_cache(described, spec.get("speculative"))
     facts = ServerFacts(
         configuration=configuration,
         engine=engine.kind,
@@ -243,6 +244,8 @@ def _start(
         host=hostinfo.describe(runtime.gpus),
         block_size=described.block_size,
         cpus=runtime.cpus,
+        cache_mode=described.cache_mode,
+        hit_blocks_dropped=prefix_cache.dropped,
     )
     atomic.write_json(state.facts_path(runtime, configuration), asdict(facts))
     return facts

@@ -106,6 +106,8 @@ class ServerFacts:
     host: dict[str, Any]
     block_size: int | None = None  # KV-cache block (tokens): the granularity of prefix-cache hits
     cpus: list[int] = field(default_factory=list)  # cores the server was confined to; empty: all
+    cache_mode: str | None = None  # a hybrid model's recurrent-state cache ("align"), as the server says
+    hit_blocks_dropped: int = 0  # matched blocks of a prefix hit the server does not reuse (its draft method)
 
 
 _NOT_RECORDS = (".facts.json", ".failed.json", ".launch.json")

@@ -16,7 +16,7 @@ import httpx
 
 from servegrid import engines, redact
 from servegrid.engines import metrics
-from servegrid.engines.base import EngineFacts, EngineFinding, ServerLaunch, StartupFacts
+from servegrid.engines.base import EngineFacts, EngineFinding, PrefixCache, ServerLaunch, StartupFacts
 from servegrid.errors import ConfigError, ServerError
 from servegrid.testing import dialect
 
@@ -100,6 +100,10 @@ class CalibrationEngine:
     ) -> dict[str, tuple[list[EngineFinding], dict[str, Any]]]:
         # Its parser is servegrid's own (servegrid.testing.calibration): an unknown flag fails at start-up in a second.
         return {name: ([], {"engine": "calibration server"}) for name in servers}
+
+    def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
+        # The stand-in caches whole blocks and has no draft model: every matched block is reused.
+        return PrefixCache(block=facts.block_size or 1)
 
     # ---- control plane -----------------------------------------------------------------
     def warm_up(self, client: httpx.Client, url: str, model: str) -> None:
