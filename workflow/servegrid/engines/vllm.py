@@ -237,10 +237,9 @@ class VLLMEngine:
         # vLLM 0.32 (config/speculative.py use_eagle_block_drop, v1/core/single_type_kv_cache_manager.py): a draft
         # that reads the target's hidden states makes the scheduler drop the last matched block of every hit,
         # unless the speculative config sets disable_eagle_block_drop.
-        method = str((speculative or {}).get("method") or "")
-        drops = (method in HIDDEN_STATE_DRAFTS or method.endswith("_mtp")) and not (speculative or {}).get(
-            "disable_eagle_block_drop"
-        )
+        draft = speculative or {}
+        method = str(draft.get("method") or "")
+        drops = (method in HIDDEN_STATE_DRAFTS or method.endswith("_mtp")) and not draft.get("disable_eagle_block_drop")
         return PrefixCache(block=facts.block_size or 1, dropped=1 if drops else 0)
 
     def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
