@@ -36,17 +36,23 @@ CELL_WARMUP, FIRST_MEASURED, MEASURED = 2, 3, 4
 OUTPUT_TOKENS = 8
 
 
-def experiment(*server_args: str, **operations: Any) -> tuple[Experiment, Cell]:
+def experiment(*server_args: str, contexts: tuple[int, ...] = (32,), **operations: Any) -> tuple[Experiment, Cell]:
+    """The grid's first cell (context 32); ``contexts`` its others."""
     raw = calibration_config(
         *server_args,
-        decode={"contexts": [32], "concurrency": [2], "output_tokens": OUTPUT_TOKENS, "requests_per_session": 2},
+        decode={
+            "contexts": list(contexts),
+            "concurrency": [2],
+            "output_tokens": OUTPUT_TOKENS,
+            "requests_per_session": 2,
+        },
     )
     raw["operations"].update(operations)
     # The wire's faults are judged here, not the client's headroom (tests/unit/test_cell_flags.py): a clean-clone
     # run on 2026-12-02, with a second pipeline on the same 2 cores, flagged two of these cells at loop lag 10-11 ms.
     raw["validity"] = {"max_loop_lag_s": 0.1, "max_client_cpu": 0.95}
     built = Experiment(raw)
-    (cell,) = built.cells("only")
+    cell = built.cells("only")[0]
     return built, cell
 
 
@@ -181,4 +187,45 @@ def test_a_server_that_hangs_in_the_warmup_fails_the_cell_at_ten_stall_floors(sa
     no_survivors(sandbox, tmp_path)
 
     # (4)
+    next_run_is_clean(sandbox, tmp_path)
+
+
+# ---- an engine that refuses its configuration: a result, not a fault -------------------------------------
+
+
+def test_an_engine_dead_at_its_first_request_refuses_its_cells_and_the_run_goes_on(sandbox, tmp_path, matrix):
+    """The calibration server prints what vLLM's engine core prints when a step raises (its worker's traceback,
+    'EngineCore encountered a fatal error'), answers servegrid's start-up warm-up (request 1) with HTTP 500 and
+    exits, as vLLM's CPU build does with Qwen3-Next, MTP and prefix caching (tests/data/vllm_0_32_engine_death.log).
+    """
+    built, cell = experiment("--fault", "1=engine-death", contexts=(32, 64))
+    owner = procs.ProcessRef.of(os.getpid())
+    started = time.monotonic()
+    meta = run_cell(built, cell, cell.path, owner=owner, runtime=sandbox)
+    took = time.monotonic() - started
+
+    # (1) The cell is written as refused, naming the engine's own exception and where vLLM met it.
+    reason = "NotImplementedError: the calibration engine was told to refuse this configuration"
+    assert meta["refused"] == f"{reason} (vllm/v1/worker/calibration.py, line 1, in run_step)"
+    assert meta["server"]["configuration"] == "only" and Path(meta["server"]["log_path"]).is_file()
+    matrix.record("engine-refuses", took, "start, warm-up, the engine's death in its log")
+
+    # Its other cells in this run start no server: the refusal is the engine's answer to this spec.
+    other = built.cells("only")[1]
+    started = time.monotonic()
+    again = run_cell(built, other, other.path, owner=owner, runtime=sandbox)
+    assert again["refused"] == meta["refused"] and again["server"]["session"] == meta["server"]["session"]
+    assert time.monotonic() - started < 5
+
+    # (2) On disk: two cell files without a request; aggregated, no summary row, and the servers table says why.
+    assert half_written(tmp_path) == []
+    assert len(pd.read_parquet(cell.path)) == 0
+    tables = RunTables.under("tables")
+    aggregation.aggregate(built, [cell.path, other.path], tables)
+    assert pd.read_parquet(tables.summary).empty
+    (row,) = pd.read_parquet(tables.servers).to_dict("records")
+    assert row["refused"] == meta["refused"] and row["cells"] == 2
+
+    # (3) and (4): nothing left; without the fault (another spec) the cell is measured.
+    no_survivors(sandbox, tmp_path)
     next_run_is_clean(sandbox, tmp_path)

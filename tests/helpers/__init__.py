@@ -170,7 +170,7 @@ def synthetic_cell(
             "mode": mode,
             "context": context,
             "concurrency": concurrency,
-            "workload": {"suffix_tokens": 64, "output_tokens": output_tokens},
+            "workload": {"suffix_tokens": 64, "output_tokens": output_tokens, "warmup_requests": 1},
         },
         "cache_state": "reset",
         "spec_hash": f"hash-{configuration}",

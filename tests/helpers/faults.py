@@ -137,6 +137,13 @@ FAULTS: dict[str, Fault] = {
         "writes the report again",
     ),
     # ---- the wire's faults: calibration server ---------------------------------------------------
+    "engine-refuses": Fault(
+        "the engine dies at its first request of its own error (vLLM's CPU build: Qwen3-Next, MTP and prefix "
+        "caching together)",
+        "the configuration's cells are written as refused, naming the engine's exception and where it was raised; "
+        "its other cells in the run start no server; the report names it and the verdict compares the others",
+        "nothing left to do: the refusal is the configuration's result until its spec changes",
+    ),
     "wire-reset": Fault(
         "connection reset mid-stream",
         "that request is an error, counted; the rest of the cell is measured",

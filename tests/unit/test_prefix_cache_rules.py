@@ -9,6 +9,9 @@ repeated 868-token prompt hit 768 tokens, a 213-token one none). A draft that re
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import httpx
 import pandas as pd
 import pytest
 
@@ -18,9 +21,77 @@ from servegrid.analysis.summary_table import peak_tokens_asked
 from servegrid.config import Experiment
 from servegrid.engines.base import EngineFacts, PrefixCache
 from servegrid.engines.vllm import VLLMEngine
+from servegrid.engines.vllm_log import engine_death
 from servegrid.testing.engine import CalibrationEngine
 
 HYBRID = EngineFacts(version="0.32.0", max_model_len=4096, block_size=384, cache_mode="align")
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def serving(metrics_file: str) -> httpx.Client:
+    """A client whose server answers /version, /v1/models and /metrics as a vLLM 0.32 server did."""
+    exposition = (DATA / metrics_file).read_text(encoding="utf-8")
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny", "max_model_len": 8192}]})
+        return httpx.Response(200, text=exposition)
+
+    return httpx.Client(transport=httpx.MockTransport(answer))
+
+
+def test_a_hybrid_servers_cache_facts_are_read_from_what_it_reports():
+    """The exposition of the tiny Qwen3-Next hybrid with prefix caching on vLLM 0.32's CPU build (2026-12-05):
+    the engine enlarged its attention block to 384 tokens and caches recurrent states in "align" mode."""
+    with serving("metrics_vllm_0_32_hybrid_align.txt") as client:
+        facts = VLLMEngine().describe(client, "http://server", "tiny")
+    assert facts == EngineFacts(version="0.32.0", max_model_len=8192, block_size=384, cache_mode="align")
+    assert VLLMEngine().prefix_cache(facts, None) == PrefixCache(block=384, dropped=0, sightings=2)
+    dense = EngineFacts(block_size=128)  # the dense tiny model on the CPU build: no recurrent state to align
+    assert VLLMEngine().prefix_cache(dense, {"method": "mtp"}) == PrefixCache(block=128, dropped=1, sightings=1)
+
+
+def test_in_align_mode_a_shared_prefix_hits_from_its_third_request():
+    """Measured on the hybrid: a 1,180-token prompt sharing a 1,090-token prefix hit 0, 0, then 768 tokens from
+    the third request on. The single-turn mode's warm-up carries the prefix; where it carries it fewer times than
+    the cache needs, the first rounds of measured requests (one per session, sent together) miss."""
+    single = modes.get("single_turn")
+    measured = pd.DataFrame({"prompt_tokens_reported": [1216] * 12})
+    full = 1152 / (1152 + 64)
+
+    def expected(warmups: int, sessions: int, cache: PrefixCache) -> float:
+        settings = {
+            "context": 1152,
+            "concurrency": sessions,
+            "workload": {"suffix_tokens": 64, "warmup_requests": warmups},
+        }
+        return single.expected_hit_rate(True, settings, measured, cache)
+
+    align = PrefixCache(384, sightings=2)
+    assert expected(2, 4, align) == pytest.approx(full)  # config/cpu-hybrid-demo.yaml: two warm-ups
+    assert expected(1, 1, align) == pytest.approx(full * 11 / 12)
+    assert expected(1, 4, align) == pytest.approx(full * 8 / 12)
+    assert expected(0, 4, align) == pytest.approx(full * 4 / 12)
+    assert expected(0, 8, align) == 0.0  # two rounds of eight: more than were measured
+    assert expected(1, 4, PrefixCache(384)) == pytest.approx(full)  # a dense model: the first request caches
+
+
+def test_an_engine_dead_of_its_own_error_is_told_from_one_killed():
+    """vLLM 0.32's CPU build serving the hybrid with MTP and prefix caching: healthy, then dead at its first
+    request in the align-mode pre-copy kernel (a Triton kernel with no CPU implementation)."""
+    death = (DATA / "vllm_0_32_engine_death.log").read_text(encoding="utf-8")
+    assert engine_death(death) == (
+        "TypeError: 'function' object is not subscriptable "
+        "(vllm/v1/worker/mamba_utils.py, line 1226, in run_fused_precopy)"
+    )
+    alive = death.split("ERROR", 1)[0]  # up to the start-up's end: no death
+    assert engine_death(alive) is None
+    assert engine_death("Killed\n") is None  # SIGKILL, the OOM killer: no word from the engine
+    assert engine_death("EngineDeadError: EngineCore encountered an issue.") == (
+        "the engine core died (no traceback in the log)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -36,7 +107,7 @@ HYBRID = EngineFacts(version="0.32.0", max_model_len=4096, block_size=384, cache
     ],
 )
 def test_vllm_says_which_drafts_keep_the_last_matched_block_from_reuse(speculative, dropped):
-    assert VLLMEngine().prefix_cache(HYBRID, speculative) == PrefixCache(block=384, dropped=dropped)
+    assert VLLMEngine().prefix_cache(HYBRID, speculative) == PrefixCache(block=384, dropped=dropped, sightings=2)
 
 
 def test_the_stand_in_reuses_every_matched_block():
@@ -53,13 +124,13 @@ def test_hits_come_in_the_servers_blocks():
 
 def test_single_turn_expects_the_prefix_in_whole_blocks():
     single = modes.get("single_turn")
-    settings = {"context": 868, "workload": {"suffix_tokens": 32}}
+    settings = {"context": 868, "concurrency": 1, "workload": {"suffix_tokens": 32, "warmup_requests": 1}}
     measured = pd.DataFrame({"prompt_tokens_reported": [900]})
     assert single.expected_hit_rate(True, settings, measured, PrefixCache(128)) == pytest.approx(768 / 900)
     assert single.expected_hit_rate(True, settings, measured, PrefixCache(384)) == pytest.approx(768 / 900)
     assert single.expected_hit_rate(True, settings, measured, PrefixCache(384, 1)) == pytest.approx(384 / 900)
     assert single.expected_hit_rate(False, settings, measured, PrefixCache(384)) == 0.0
-    short = {"context": 213, "workload": {"suffix_tokens": 32}}
+    short = {"context": 213, "concurrency": 1, "workload": {"suffix_tokens": 32, "warmup_requests": 1}}
     assert single.expected_hit_rate(True, short, measured, PrefixCache(384)) == 0.0  # under one block: no hit
 
 

@@ -10,6 +10,7 @@ else is a bug and keeps its traceback.
     ├── ConfigError        the configuration (or a command-line argument) is wrong
     │   └── UnknownModeError   a workload mode no module registered
     ├── ServerError        an inference server: start-up, health, identity, teardown
+    │   ├── EngineRefused      its engine died of its own error at its first request: the configuration's result
     │   └── GatewayError       the gateway (LiteLLM proxy): start-up, or a field it drops or alters
     ├── CellError          a cell could not be measured; nothing was written
     │   └── CellStalled        its server stopped making progress: it is stopped, never reused
@@ -47,6 +48,18 @@ class UnknownModeError(ConfigError, KeyError):
 
 class ServerError(ServegridError):
     """A server could not be brought up or used; the message says why and where its log is."""
+
+
+class EngineRefused(ServerError):
+    """The server came up healthy and its engine died of its own error at its first request: this engine cannot
+    serve the configuration (e.g. vLLM's CPU build with MTP and a hybrid model's prefix caching). A result, not a
+    fault: its cells are written as refused, naming ``reason``, and the run goes on with the other configurations.
+    ``server``: what is known of the server (its ServerFacts' fields as far as it got)."""
+
+    def __init__(self, message: str, reason: str, server: dict | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.server = server or {}
 
 
 class GatewayError(ServerError):

@@ -21,7 +21,8 @@ from servegrid.records.per_request import derive
 
 
 def servers(metas: list[dict[str, Any]]) -> pd.DataFrame:
-    """One row per server session that measured at least one cell."""
+    """One row per server session that measured at least one cell, or whose engine refused its cells
+    (``refused``: the engine's reason; None for a server that measured)."""
     seen: dict[str, dict[str, Any]] = {}
     for meta in metas:
         facts = meta["server"]
@@ -49,13 +50,18 @@ def servers(metas: list[dict[str, Any]]) -> pd.DataFrame:
             "host_gpus": "; ".join(f"{g['index']}: {g['name']} ({g['memory']})" for g in host.get("gpus") or []),
             "cpus": list(facts.get("cpus") or []),
             "cells": 1,
+            "refused": meta.get("refused"),
         }
     return pd.DataFrame(list(seen.values()))
 
 
 def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) -> pd.DataFrame:
     """Every table of ``tables`` from the cell files (each written whole, or not at all); returns the summary."""
-    everything, all_metas = load_cells(cell_paths)
+    everything, read_metas = load_cells(cell_paths)
+    # A refused cell (its engine died at its first request) has no request: the servers table names its
+    # reason; every other table is made of the measured cells, so the verdict proceeds with the others.
+    refused = [m for m in read_metas if m.get("refused")]
+    all_metas = [m for m in read_metas if not m.get("refused")]
     derived_all = derive(everything) if all_metas else everything  # cell files without a row still have every column
     # The verdict's route (direct, unless every cell goes through the gateway); the other route, where cells were
     # measured both ways, is only compared with it (servegrid.analysis.gateway_cost).
@@ -71,7 +77,7 @@ def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) 
     outputs = [
         (derived, tables.requests),
         (summary, tables.summary),
-        (servers(metas), tables.servers),
+        (servers(metas + refused), tables.servers),
         (comparisons, tables.comparisons),
         (verdict.classify(comparisons, rules), tables.verdict),
         (verdict.crossovers(verdict.duels(summary, samples, order), order, rules), tables.crossovers),

@@ -112,7 +112,11 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     row["block_size"] = server.get("block_size")
     row["cache_mode"] = server.get("cache_mode")
     # Cell files from before the server said how it reuses blocks: every matched block (the rule until then).
-    prefix_cache = PrefixCache(block=row["block_size"] or 1, dropped=server.get("hit_blocks_dropped") or 0)
+    prefix_cache = PrefixCache(
+        block=row["block_size"] or 1,
+        dropped=server.get("hit_blocks_dropped") or 0,
+        sightings=server.get("prefix_sightings") or 1,
+    )
     row["server_session"] = server.get("session")
     row["spec_hash"] = meta["spec_hash"]
     row["started_at"] = meta["started_at"]

@@ -16,7 +16,7 @@ from servegrid.config.sections import (
     ProxySection,
     Workload,
 )
-from servegrid.config.tiny_model_spec import check_replaceable
+from servegrid.config.tiny_model_spec import TinyModelSpec, check_replaceable
 from servegrid.errors import ConfigError
 from servegrid.languages import available_languages
 
@@ -50,7 +50,7 @@ def check(experiment: Experiment) -> None:
             {f"configurations.{n}.args": c.args for n, c in experiment.configurations.items()},
             {"engine.env": experiment.engine.env or {}}
             | {f"configurations.{n}.env": c.env or {} for n, c in experiment.configurations.items()},
-            tiny_model=experiment.model.tiny is not None,
+            tiny_model=_tiny_model_weights(experiment),
         )
         _context_limits(experiment)
         if experiment.model.tiny is not None:
@@ -143,3 +143,12 @@ def _gateway(experiment: Experiment) -> None:
         raise ConfigError(f"proxy.models: no configuration named {', '.join(unknown)}")
     if proxy.models and proxy.url is None:
         raise ConfigError("proxy.models: only read with proxy.url (servegrid names the models of a proxy it starts)")
+
+
+def _tiny_model_weights(experiment: Experiment) -> str | None:
+    """None (the user's model), "dummy" (model.tiny, no weight files) or "weights" (model.tiny writes them)."""
+    if experiment.model.tiny is None:
+        return None
+    spec = TinyModelSpec(**experiment.model.tiny)
+    spec.check()  # before anything runs: the model rule would refuse it only once the pipeline started
+    return "weights" if spec.writes_weights else "dummy"

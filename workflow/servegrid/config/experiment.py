@@ -193,7 +193,11 @@ class Experiment:
     def tiny_model_spec(self) -> dict[str, Any] | None:
         """model.tiny with every default spelled out, or None."""
         tiny = self.model.tiny
-        return None if tiny is None else asdict(TinyModelSpec(**tiny))
+        if tiny is None:
+            return None
+        spec = TinyModelSpec(**tiny)
+        spec.check()
+        return asdict(spec)
 
     # ---- identities that decide reruns -----------------------------------------------------------
     def configuration_flags(self, name: str) -> list[str]:

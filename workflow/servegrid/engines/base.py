@@ -54,6 +54,12 @@ class PrefixCache:
 
     block: int = 1
     dropped: int = 0
+    # Requests that must carry a prefix before a later one hits it. 1: the first request caches what it
+    # computed. 2: a hybrid model in vLLM's "align" mode saves its recurrent state only at the end of a prefill
+    # chunk and, once a second request shares a prefix with cached blocks, where the two part (vLLM 0.32
+    # v1/core/sched/scheduler.py _mamba_block_aligned_split): a prefix shared by requests with their own
+    # suffixes hits from its third request on (measured: 0, 0, then 768 of 1,180 tokens at 384-token blocks).
+    sightings: int = 1
 
     def hit_tokens(self, cached: int | float) -> int:
         """Tokens of a prompt that hit, when its first ``cached`` tokens are in the cache."""
@@ -96,9 +102,11 @@ class Engine(Protocol):
 
     # ---- configuration and launch ------------------------------------------------------
     def check_config(self, engine_args: Sequence[str], configuration_args: Mapping[str, Sequence[str]],
-                     env: Mapping[str, Mapping[str, str]], tiny_model: bool) -> None:  # fmt: skip
+                     env: Mapping[str, Mapping[str, str]], tiny_model: str | None) -> None:  # fmt: skip
         """Raise :class:`servegrid.errors.ConfigError`, naming the key, for flags or variables servegrid sets
-        itself (``configuration_args``/``env`` are keyed by config path, e.g. ``configurations.mtp.args``)."""
+        itself (``configuration_args``/``env`` are keyed by config path, e.g. ``configurations.mtp.args``).
+        ``tiny_model``: None (the user's model), "dummy" (model.tiny without weight files: the engine makes
+        its own) or "weights" (model.tiny writes them: the engine must load them)."""
 
     def context_limit(self, args: Sequence[str]) -> int | None:
         """The longest request (prompt + output tokens) the launch ``args`` allow, where they say; else None."""
@@ -119,6 +127,11 @@ class Engine(Protocol):
 
     def startup_facts(self, log_text: str) -> StartupFacts:
         """Capacity facts from the server's start-up log."""
+
+    def refusal(self, log_text: str) -> str | None:
+        """Where the server's log shows its engine dead of its own error (an exception raised inside the engine,
+        not a signal from outside): the root cause in one line, naming the exception and where it was raised.
+        None when the log shows no such death (killed, hung, or still running)."""
 
     def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
         """How the running server hands out prefix-cache hits: the block it reports, and the matched blocks its

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,10 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from servegrid import redact
 from servegrid.engines import metrics, vllm_preflight
 from servegrid.engines.base import EngineFacts, EngineFinding, PrefixCache, ServerLaunch, StartupFacts
+from servegrid.engines.vllm_log import engine_death, startup_facts
 from servegrid.errors import ConfigError, ServerError
-
-KV_TOKENS_RE = re.compile(r"(?:GPU|CPU|XPU|TPU)? ?KV cache size: ([\d,]+) tokens")
-MAX_CONCURRENCY_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 # Flags servegrid sets itself; a configuration that also set them would be ambiguous.
 RESERVED_FLAGS = (
@@ -103,7 +100,7 @@ class VLLMEngine:
         engine_args: Sequence[str],
         configuration_args: Mapping[str, Sequence[str]],
         env: Mapping[str, Mapping[str, str]],
-        tiny_model: bool,
+        tiny_model: str | None,
     ) -> None:
         for where, args in {"engine.args": engine_args, **configuration_args}.items():
             for arg in args:
@@ -123,12 +120,16 @@ class VLLMEngine:
                 raise ConfigError(f"{where}: set GPUs with 'gpus', not CUDA_VISIBLE_DEVICES")
             if API_KEY_VAR in variables:
                 raise ConfigError(f"{where}: name the key's variable in engine.api_key_env, not {API_KEY_VAR}")
-        if tiny_model:
-            joined = " ".join(engine_args)
-            if "--load-format dummy" not in joined and "--load-format=dummy" not in joined:
-                raise ConfigError(
-                    "engine.args: model.tiny builds a folder without weights, so the engine needs '--load-format dummy'"
-                )
+        dummy = vllm_preflight.flag_value(engine_args, "--load-format") == "dummy"
+        if tiny_model == "dummy" and not dummy:
+            raise ConfigError(
+                "engine.args: model.tiny builds a folder without weights, so the engine needs '--load-format dummy'"
+            )
+        if tiny_model == "weights" and dummy:
+            raise ConfigError(
+                "engine.args: model.tiny.mtp writes the weights (its MTP layer is constructed to draft what the "
+                "model says); '--load-format dummy' would replace them with random ones"
+            )
 
     def context_limit(self, args: Sequence[str]) -> int | None:
         limit = None
@@ -171,12 +172,7 @@ class VLLMEngine:
         return redact.env(env)  # VLLM_API_KEY ends in _KEY
 
     def startup_facts(self, log_text: str) -> StartupFacts:
-        kv = KV_TOKENS_RE.search(log_text)
-        conc = MAX_CONCURRENCY_RE.search(log_text)
-        return StartupFacts(
-            kv_cache_tokens=int(kv.group(1).replace(",", "")) if kv else None,
-            max_concurrency=float(conc.group(2)) if conc else None,
-        )
+        return startup_facts(log_text)
 
     # ---- control plane -----------------------------------------------------------------
     def loads_checkpoint(self) -> bool:
@@ -233,6 +229,9 @@ class VLLMEngine:
             cache_mode = labels.get("mamba_cache_mode")
         return EngineFacts(version=version, max_model_len=max_model_len, block_size=block_size, cache_mode=cache_mode)
 
+    def refusal(self, log_text: str) -> str | None:
+        return engine_death(log_text)
+
     def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
         # vLLM 0.32 (config/speculative.py use_eagle_block_drop, v1/core/single_type_kv_cache_manager.py): a draft
         # that reads the target's hidden states makes the scheduler drop the last matched block of every hit,
@@ -240,7 +239,8 @@ class VLLMEngine:
         draft = speculative or {}
         method = str(draft.get("method") or "")
         drops = (method in HIDDEN_STATE_DRAFTS or method.endswith("_mtp")) and not draft.get("disable_eagle_block_drop")
-        return PrefixCache(block=facts.block_size or 1, dropped=1 if drops else 0)
+        sightings = 2 if facts.cache_mode == "align" else 1
+        return PrefixCache(block=facts.block_size or 1, dropped=1 if drops else 0, sightings=sightings)
 
     def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
         # Served only with VLLM_SERVER_DEV_MODE=1; without it every cell still starts from fresh prompts.

@@ -95,16 +95,20 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
 
 
 def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
-    """Each turn after the first finds the previous turn's prompt cached, in the whole blocks the server reuses
-    (PrefixCache; the reply may add a little more, which makes the measured rate at least this)."""
+    """Each turn finds an earlier turn's prompt cached, in the whole blocks the server reuses (PrefixCache; the
+    reply may add a little more, which makes the measured rate at least this): the previous turn's, or, where
+    the cache needs a prefix carried twice (``cache.sightings``: a hybrid model's "align" mode, whose recurrent
+    state is saved where a turn parts from the one before), the turn before that. Measured on the tiny hybrid,
+    three turns from 1,024 tokens: 0.20 against 0.19 expected this way, 0.49 the dense way."""
     hits = total = 0
+    lag = max(cache.sightings, 1)
     for _, conversation in measured.sort_values("turn").groupby(["session", "seq"]):
-        previous = None
+        earlier: list[float] = []
         for prompt in conversation["prompt_tokens_reported"].astype(float):
             total += prompt
-            if previous is not None:
-                hits += cache.hit_tokens(previous)
-            previous = prompt
+            if len(earlier) >= lag:
+                hits += cache.hit_tokens(earlier[-lag])
+            earlier.append(prompt)
     return float(hits / total) if total else 0.0
 
 

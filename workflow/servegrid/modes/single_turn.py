@@ -39,9 +39,14 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
 
 
 def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
-    """The shared prefix in the whole blocks the server reuses (PrefixCache), over prefix + suffix."""
+    """The shared prefix in the whole blocks the server reuses (PrefixCache), over prefix + suffix; where the
+    warm-up carried the prefix fewer times than the cache needs (``cache.sightings``), the first rounds of
+    measured requests (one request per session, sent together) miss it."""
     prefix = settings["context"]
-    return cache.hit_tokens(prefix) / (prefix + settings["workload"]["suffix_tokens"])
+    per_request = cache.hit_tokens(prefix) / (prefix + settings["workload"]["suffix_tokens"])
+    rounds_missing = max(cache.sightings - settings["workload"]["warmup_requests"], 0)
+    missing = min(len(measured), rounds_missing * settings["concurrency"])
+    return per_request * (len(measured) - missing) / len(measured) if len(measured) else 0.0
 
 
 def probe_columns(valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from servegrid import engines, progress
 from servegrid.config import Cell, Experiment
 from servegrid.engines import Engine
-from servegrid.errors import CellError, CellStalled, GatewayError
+from servegrid.errors import CellError, CellStalled, EngineRefused, GatewayError
 from servegrid.measuring import gateway_check, measured_phase
 from servegrid.records import cell_file
 from servegrid.serving import gateway, hostinfo, launch, placement, procs, server, state
@@ -133,7 +133,10 @@ def _run_cell(
     started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
     log.info("%s", grid_line(experiment, cell))
     with server.lease(cell.configuration, runtime):
-        facts = server.ensure(spec, runtime, owner)
+        try:
+            facts = server.ensure(spec, runtime, owner)
+        except EngineRefused as refused:
+            return _write_refused(experiment, cell, out_path, settings, started_at, refused)
         need = experiment.longest_request(cell.mode, cell.context)
         if facts.max_model_len is not None and need > facts.max_model_len:
             # Where the config does not state the limit, the server's first answer does: fail before measuring.
@@ -201,6 +204,32 @@ def _run_cell(
         **measured,
     }
     cell_file.write_cell(out_path, request_records, meta)
+    return meta
+
+
+def _write_refused(
+    experiment: Experiment,
+    cell: Cell,
+    out_path: Path | str,
+    settings: dict[str, Any],
+    started_at: str,
+    refused: EngineRefused,
+) -> dict[str, Any]:
+    """The cell's result when its configuration's engine died at its first request: no request, the engine's
+    reason. Written like any cell (a rerun measures it again only when its settings or spec change)."""
+    log.warning("cell %s: %s; written as refused, the run goes on", cell.id, refused)
+    meta = {
+        "cell": asdict(cell) | {"id": cell.id},
+        "settings": settings,
+        "spec_hash": refused.server.get("spec_hash"),
+        "server": refused.server,
+        "started_at": started_at,
+        "ended_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "slurm_job": placement.slurm_job(),
+        "gateway": None,
+        "refused": refused.reason,
+    }
+    cell_file.write_cell(out_path, [], meta)
     return meta
 
 

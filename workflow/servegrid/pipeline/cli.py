@@ -66,7 +66,8 @@ def cmd_model_build(experiment: Experiment, args: argparse.Namespace) -> int:
     if tiny is None:
         raise ConfigError(f"{experiment.source}: model.tiny is not set; the model at model.path is yours")
     out = Path(args.out or experiment.model.path)
-    hashes = tiny_model.build(out, tiny_model.TinyModelSpec(**tiny))
+    python = tiny_model.engine_python(experiment.engine.command)
+    hashes = tiny_model.build(out, tiny_model.TinyModelSpec(**tiny), python)
     print(json.dumps({"path": str(out), "files": hashes}, indent=2))
     return 0
 

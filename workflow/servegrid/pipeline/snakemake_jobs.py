@@ -99,7 +99,7 @@ def build_model(smk: Any) -> None:
 
     def body(experiment: Experiment) -> None:
         spec = tiny_model.TinyModelSpec(**experiment.tiny_model_spec())
-        tiny_model.build(Path(smk.output[0]), spec)
+        tiny_model.build(Path(smk.output[0]), spec, tiny_model.engine_python(experiment.engine.command))
 
     _run(smk, body)
 

@@ -72,6 +72,7 @@ def text(experiment: Experiment) -> str:
         rows.append([_class_title(row["class_id"]), OUTCOME.get(row["outcome"], row["outcome"]), winner, _factor(row)])
     lines += table(rows) if len(rows) > 1 else ["  no workload class has data"]
     lines += _gateway_lines(experiment)
+    lines += _refused_lines()
     if len(invalid):
         lines += ["", "Invalid cells (measured, not compared):"]
         lines += [f"  {r['cell_id']}: {r['invalid_reasons']}" for r in invalid.to_dict("records")]
@@ -83,6 +84,22 @@ def text(experiment: Experiment) -> str:
     ]
     lines += ["", "Reports:", *(f"  {p}" for p in reports)] if reports else ["", "No report built yet."]
     return "\n".join(lines)
+
+
+def _refused_lines() -> list[str]:
+    """The configurations whose engine died at its first request on every server it got: named, with the
+    engine's reason (the servers table's ``refused``)."""
+    servers_path = Path(paths.SERVERS_TABLE)
+    servers = pd.read_parquet(servers_path) if servers_path.exists() else pd.DataFrame()
+    if "refused" not in servers:
+        return []
+    lines = []
+    for name, sessions in servers.groupby("configuration", sort=False):
+        reasons = sessions["refused"].dropna()
+        if len(reasons) == len(sessions):
+            cells = int(sessions["cells"].sum())
+            lines.append(f"  {name} ({cells} cells): {reasons.iloc[-1]}")
+    return ["", "Refused by the engine (not measured; the verdict compares the others):", *lines] if lines else []
 
 
 def _gateway_lines(experiment: Experiment) -> list[str]:

@@ -27,6 +27,7 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,9 +35,9 @@ import httpx
 from servegrid import atomic, engines, redact
 from servegrid.config import spec_hash
 from servegrid.engines import Engine
-from servegrid.errors import ServerError
+from servegrid.errors import EngineRefused, ServerError
 from servegrid.serving import hostinfo, procs, state
-from servegrid.serving.launch import identity, launch_supervised, new_session, wait_healthy
+from servegrid.serving.launch import identity, launch_supervised, log_tail, new_session, wait_healthy
 from servegrid.serving.state import Runtime, ServerFacts, lease
 
 __all__ = [
@@ -170,10 +171,12 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
                     try:
                         return _start(spec, engine, wanted, runtime, owner)
                     except ServerError as exc:
+                        refused = isinstance(exc, EngineRefused) and {"reason": exc.reason, "server": exc.server}
                         atomic.write_json(
                             state.failure_path(runtime, configuration),
-                            {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc)},
-                        )
+                            {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc),
+                             "refused": refused or None},
+                        )  # fmt: skip
                         raise
         # A rival server is measuring a cell right now: let it finish.
         time.sleep(1.0)
@@ -183,6 +186,9 @@ def _raise_if_failed_before(runtime: Runtime, configuration: str, wanted: str, o
     """Within one pipeline run, a spec that failed to start fails its other cells at once."""
     failure = state.read(state.failure_path(runtime, configuration))
     if failure and owner and failure["spec_hash"] == wanted and failure["owner"] == owner.to_dict():
+        refused = failure.get("refused")
+        if refused:  # the engine's answer to this spec, not a fault: the same for every cell of the run
+            raise EngineRefused(failure["message"], refused["reason"], refused["server"])
         raise ServerError(f"(failed earlier in this run, not retried)\n{failure['message']}")
 
 
@@ -214,7 +220,28 @@ def _start(
         startup_s = time.monotonic() - started
         with httpx.Client(timeout=600.0, headers=auth_headers(spec)) as client:
             warm_started = time.monotonic()
-            engine.warm_up(client, url, spec["served_name"])
+            try:
+                engine.warm_up(client, url, spec["served_name"])
+            except (httpx.HTTPError, ServerError) as exc:
+                # Healthy, then dead at its first request of its own error: the engine cannot serve this
+                # configuration (a result); anything else is a failed start.
+                reason = _engine_refusal(engine, log_path)
+                if reason is None:
+                    raise ServerError(
+                        f"the server for configuration '{configuration}' failed its warm-up request: {exc}\n"
+                        f"Server log: {log_path}\n--- last lines ---\n{log_tail(log_path)}"
+                    ) from exc
+                known = {"configuration": configuration, "engine": engine.kind, "session": session,
+                         "spec_hash": wanted, "url": url, "argv": redact.argv(argv), "env": engine.public_env(env),
+                         "gpus": runtime.gpus, "cpus": runtime.cpus, "log_path": str(log_path),
+                         "startup_s": round(startup_s, 3), "started_at": started_at,
+                         "host": hostinfo.describe(runtime.gpus)}  # fmt: skip
+                raise EngineRefused(
+                    f"the engine of configuration '{configuration}' died at its first request: {reason}\n"
+                    f"Server log: {log_path}",
+                    reason,
+                    known,
+                ) from exc
             warmup_s = time.monotonic() - warm_started
             described = engine.describe(client, url, spec["served_name"])
     except BaseException:
@@ -246,12 +273,25 @@ def _start(
         cpus=runtime.cpus,
         cache_mode=described.cache_mode,
         hit_blocks_dropped=prefix_cache.dropped,
+        prefix_sightings=prefix_cache.sightings,
     )
     atomic.write_json(state.facts_path(runtime, configuration), asdict(facts))
     return facts
 
 
 LIVENESS_FACTOR = 10
+DEATH_WAIT_S = 10.0  # how long a server whose first request failed has to show its engine's death in its log
+
+
+def _engine_refusal(engine: Engine, log_path: Path) -> str | None:
+    """The engine's own reason for dying, once its log shows it (its processes write the traceback while the
+    failed answer is on its way: a bounded wait on the log, not a fixed sleep)."""
+    deadline = time.monotonic() + DEATH_WAIT_S
+    while True:
+        reason = engine.refusal(log_path.read_text(encoding="utf-8", errors="replace"))
+        if reason is not None or time.monotonic() > deadline:
+            return reason
+        time.sleep(0.2)
 
 
 def _answers(

@@ -108,6 +108,7 @@ class ServerFacts:
     cpus: list[int] = field(default_factory=list)  # cores the server was confined to; empty: all
     cache_mode: str | None = None  # a hybrid model's recurrent-state cache ("align"), as the server says
     hit_blocks_dropped: int = 0  # matched blocks of a prefix hit the server does not reuse (its draft method)
+    prefix_sightings: int = 1  # requests that carry a shared prefix before the next one hits it (PrefixCache)
 
 
 _NOT_RECORDS = (".facts.json", ".failed.json", ".launch.json")

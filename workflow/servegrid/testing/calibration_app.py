@@ -7,9 +7,11 @@ are shared by both and make sense only together.
 
 import asyncio
 import json
+import os
 import random
 import socket
 import struct
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +25,7 @@ from servegrid.testing.calibration_script import (
     BLOCK,
     CHAT_GENERATION_PROMPT,
     CHAT_OVERHEAD_PER_MESSAGE,
+    ENGINE_DEATH_LOG,
     Counters,
     Script,
     Vocabulary,
@@ -220,6 +223,12 @@ class CalibrationServer:
         self.counters.requests += 1
         stalls = bool(s.stall_from_request) and self.counters.requests >= s.stall_from_request
         fault = s.faults.get(self.counters.requests)
+        if fault == "engine-death":
+            sys.stderr.write(ENGINE_DEATH_LOG)
+            sys.stderr.flush()
+            asyncio.get_running_loop().call_later(0.05, os._exit, 1)  # after the answer is sent, as vLLM exits
+            message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+            return web.json_response({"error": {"message": message, "code": 500}}, status=500)
         if fault in ("500", "503"):
             message = f"calibration server told to fail request {self.counters.requests} with HTTP {fault}"
             return web.json_response({"error": {"message": message, "code": int(fault)}}, status=int(fault))
@@ -312,6 +321,8 @@ class RunningServer:
     def __init__(
         self, script: Script, host: str = "127.0.0.1", port: int = 0, dialect: str = VLLM, api_key: str | None = None
     ) -> None:
+        if "engine-death" in script.faults.values():
+            raise ValueError("the engine-death fault exits the process: only a calibration server of its own has it")
         self.server = CalibrationServer(script, dialect=dialect, api_key=api_key)
         self.host, self.port = host, port
         self._runner: web.AppRunner | None = None

@@ -15,7 +15,19 @@ FAULT_KINDS = {
     "503": "answer HTTP 503 with a JSON error body instead of streaming (an overloaded server)",
     "not-object": "after the first chunk, one SSE event whose data is JSON but not an object ([1, 2])",
     "null-tokens": "the first chunk's usage.completion_tokens is null: its tokens cannot be timed",
+    "engine-death": "print a vLLM engine core's death (a worker's traceback, 'EngineCore encountered a fatal error') "
+    "to stderr, answer HTTP 500 as vLLM does, then exit 1: an engine that refuses its configuration",
 }
+
+# What a vLLM 0.32 worker and engine core print when a step raises (tests/data/vllm_0_32_engine_death.log, cut).
+_WORKER = "(Worker pid=1) ERROR 12-05 05:21:22 [multiproc_executor.py:1063] "
+ENGINE_DEATH_LOG = (
+    f"{_WORKER}Traceback (most recent call last):\n"
+    f'{_WORKER}  File "/venv/site-packages/vllm/v1/worker/calibration.py", line 1, in run_step\n'
+    f"{_WORKER}    step[grid]()\n"
+    f"{_WORKER}NotImplementedError: the calibration engine was told to refuse this configuration\n"
+    "(EngineCore pid=1) ERROR 12-05 05:21:22 [core.py:1512] EngineCore encountered a fatal error.\n"
+)
 
 
 @dataclass

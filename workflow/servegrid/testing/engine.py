@@ -17,6 +17,7 @@ import httpx
 from servegrid import engines, redact
 from servegrid.engines import metrics
 from servegrid.engines.base import EngineFacts, EngineFinding, PrefixCache, ServerLaunch, StartupFacts
+from servegrid.engines.vllm_log import engine_death
 from servegrid.errors import ConfigError, ServerError
 from servegrid.testing import dialect
 
@@ -50,7 +51,7 @@ class CalibrationEngine:
         engine_args: Sequence[str],
         configuration_args: Mapping[str, Sequence[str]],
         env: Mapping[str, Mapping[str, str]],
-        tiny_model: bool,
+        tiny_model: str | None,
     ) -> None:
         for where, args in {"engine.args": engine_args, **configuration_args}.items():
             for arg in args:
@@ -100,6 +101,10 @@ class CalibrationEngine:
     ) -> dict[str, tuple[list[EngineFinding], dict[str, Any]]]:
         # Its parser is servegrid's own (servegrid.testing.calibration): an unknown flag fails at start-up in a second.
         return {name: ([], {"engine": "calibration server"}) for name in servers}
+
+    def refusal(self, log_text: str) -> str | None:
+        # Its engine-death fault prints what vLLM's engine core prints when it dies.
+        return engine_death(log_text)
 
     def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
         # The stand-in caches whole blocks and has no draft model: every matched block is reused.

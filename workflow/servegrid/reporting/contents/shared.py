@@ -123,6 +123,8 @@ class Contents:
         for index, (name, conf) in enumerate(self.experiment.configurations.items(), 1):
             sessions = self.servers[self.servers["configuration"] == name] if len(self.servers) else self.servers
             latest = _plain(sessions.iloc[-1].to_dict()) if len(sessions) else {}
+            # Refused: its engine died at its first request on every server it got (no cell measured).
+            reasons = [r for r in sessions["refused"] if isinstance(r, str)] if "refused" in sessions else []
             out.append(
                 {
                     "name": name,
@@ -133,6 +135,7 @@ class Contents:
                     "flags": " ".join(redact.argv(self.experiment.configuration_flags(name))),
                     "server": latest,
                     "sessions": len(sessions),
+                    "refused": reasons[-1] if reasons and len(reasons) == len(sessions) else None,
                 }
             )
         return out
