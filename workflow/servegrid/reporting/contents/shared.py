@@ -172,5 +172,9 @@ class Contents:
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
-    """Parquet list columns arrive as numpy arrays; templates want lists."""
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
+    """Parquet list columns arrive as numpy arrays, templates want lists; a missing number arrives as NaN, which a
+    template would take for a value (a refused server has no KV pool): None."""
+    return {
+        k: v.tolist() if isinstance(v, np.ndarray) else None if isinstance(v, float) and np.isnan(v) else v
+        for k, v in row.items()
+    }
