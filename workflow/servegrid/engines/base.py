@@ -55,10 +55,10 @@ class PrefixCache:
     block: int = 1
     dropped: int = 0
     # Requests that must carry a prefix before a later one hits it. 1: the first request caches what it
-    # computed. 2: a hybrid model in vLLM's "align" mode saves its recurrent state only at the end of a prefill
-    # chunk and, once a second request shares a prefix with cached blocks, where the two part (vLLM 0.32
-    # v1/core/sched/scheduler.py _mamba_block_aligned_split): a prefix shared by requests with their own
-    # suffixes hits from its third request on (measured: 0, 0, then 768 of 1,180 tokens at 384-token blocks).
+    # computed. 2: a hybrid model in vLLM's "align" mode: a prefix is cached where the second request carrying
+    # it parts from it (a shared prefix with suffixes of their own hit 0, 0, then 768 of 1,180 tokens at
+    # 384-token blocks). A lower bound: a first request whose prompt ends just past a block boundary does leave
+    # a state there (docs/verdict.md); more hits than expected never invalidate a cell.
     sightings: int = 1
 
     def hit_tokens(self, cached: int | float) -> int:
