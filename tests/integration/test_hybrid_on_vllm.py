@@ -33,37 +33,26 @@ TINY = {"architecture": "qwen3_next", "mtp": "repeat", "hidden_size": 256, "inte
 CONTEXT, SUFFIX, REQUESTS = 1000, 64, 4
 
 
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+# One warm-up: in align mode the first measured request is the prefix's second sighting, a miss.
+SINGLE_TURN = {"contexts": [CONTEXT], "concurrency": [1], "suffix_tokens": SUFFIX, "output_tokens": 8,
+               "requests_per_session": REQUESTS, "warmup_requests": 1}  # fmt: skip
+
+
 def hybrid_config(model_dir: Path) -> dict[str, Any]:
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    vllm = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"]
     return placed(
         {
             "experiment": {"title": "hybrid"},
             "model": {"path": str(model_dir), "served_name": "tiny-hybrid", "tiny": TINY},
-            "engine": {
-                "command": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"],
-                **engine_for_tests(
-                    {
-                        "args": ["--max-model-len", "4096"],
-                        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"},
-                    }  # fmt: skip
-                ),
-            },
+            "engine": {"command": vllm, **engine_for_tests({"args": ["--max-model-len", "4096"], "env": ENV})},
             "configurations": {
                 "prefix_cache": {"label": "prefix caching", "prefix_caching": True},
                 "both": {"label": "prefix caching + MTP", "prefix_caching": True, "speculative": mtp},
             },
             "sampling": {"temperature": 0.0},
-            "workloads": {
-                # One warm-up: in align mode the first measured request is the prefix's second sighting, a miss.
-                "single_turn": {
-                    "contexts": [CONTEXT],
-                    "concurrency": [1],
-                    "suffix_tokens": SUFFIX,
-                    "output_tokens": 8,
-                    "requests_per_session": REQUESTS,
-                    "warmup_requests": 1,
-                },
-            },  # fmt: skip
+            "workloads": {"single_turn": SINGLE_TURN},
             "operations": {"startup_timeout_s": 600, "shutdown_timeout_s": 20, "request_timeout_s": 300},
         }
     )
