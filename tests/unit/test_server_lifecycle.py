@@ -277,7 +277,8 @@ def test_a_stale_record_never_signals_a_process_that_is_not_the_servers(sandbox)
             "argv": ["vllm"],
             "log_path": "x.log",
             "owner": None,
-            "supervisor": {"pid": stranger.pid, "create_time": 1.0},  # its pid, another process's start time
+            # Its pid, another process's start: one record as servegrid writes them, one as an older one did.
+            "supervisor": {"pid": stranger.pid, "start_ticks": 1, "boot": procs.boot_id()},
             "server": {"pid": stranger.pid, "create_time": 1.0},
             "pgid": stranger.pid,
             "status": "running",
@@ -296,19 +297,19 @@ def test_no_server_is_started_for_an_owner_that_is_gone(sandbox, monkeypatch):
     """Snakemake killed while the next cell job was starting: that job must not start an ownerless server."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    monkeypatch.setenv(server.OWNER_ENV, f"{gone.pid}:1.0")
-    gone_message = r"the Snakemake process \(SERVEGRID_OWNER=\d+:1.0\) that runs this job is gone"
+    monkeypatch.setenv(server.OWNER_ENV, f"{gone.pid}:1:{procs.boot_id()}")
+    gone_message = r"the Snakemake process \(SERVEGRID_OWNER=\d+:1:[0-9a-f-]+\) that runs this job is gone"
     with pytest.raises(ServerError, match=gone_message):
         server.owner_from_env()
     # Alive, but not the process that started the run: its pid was reused (the start time differs).
     me = procs.ProcessRef.of(os.getpid())
-    monkeypatch.setenv(server.OWNER_ENV, f"{me.pid}:{me.create_time - 5}")
+    monkeypatch.setenv(server.OWNER_ENV, f"{me.pid}:{me.start_ticks - 5}:{me.boot}")
     with pytest.raises(ServerError, match=r"that runs this job is gone"):
         server.owner_from_env()
     monkeypatch.setenv(server.OWNER_ENV, server.owner_token(me))
     assert server.owner_from_env() == me
     monkeypatch.setenv(server.OWNER_ENV, "1234")
-    with pytest.raises(ServerError, match=r"SERVEGRID_OWNER='1234' is not 'pid:start-time'"):
+    with pytest.raises(ServerError, match=r"SERVEGRID_OWNER='1234' is not 'pid:start-ticks:boot-id'"):
         server.owner_from_env()
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     ref = procs.ProcessRef.of(owner.pid)
@@ -444,3 +445,26 @@ def test_an_engine_that_renamed_itself_is_stopped_when_its_server_is_killed(sand
     os.kill(record["server"]["pid"], signal.SIGKILL)
     assert wait_for(lambda: not psutil.pid_exists(engine) or psutil.Process(engine).status() == "zombie", 15)
     assert wait_for(lambda: _record(sandbox, "fake")["status"] == "exited", 10)
+
+
+def test_a_wall_clock_step_stops_nothing(monkeypatch):
+    """A 1 s step of the wall clock (NTP, a VM's resume, `date`) moves the boot time psutil adds to every start
+    time: an identity kept as an epoch time would call every live process another one, and stop every server.
+    Identities are the kernel's start ticks and the boot's id, which no clock step touches."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ref = procs.ProcessRef.of(child.pid)
+        before = psutil.Process(child.pid).create_time()
+        stepped = psutil.boot_time() + 1.0
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: stepped)  # what a +1 s step does to psutil
+        assert psutil.Process(child.pid).create_time() == pytest.approx(before + 1.0)  # the epoch time moved
+        assert ref.alive() and procs.ProcessRef.from_dict(ref.to_dict()) == ref
+        monkeypatch.setenv(server.OWNER_ENV, server.owner_token(ref))
+        assert server.owner_from_env() == ref  # a job started after the step still knows its Snakemake
+        assert ref in procs.tree(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not ref.alive()
+    me = procs.ProcessRef.of(os.getpid())
+    assert me.alive() and not procs.ProcessRef(me.pid, me.start_ticks, "another-boot").alive()  # after a reboot

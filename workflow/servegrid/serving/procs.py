@@ -1,13 +1,17 @@
 """Process identity and process-group teardown.
 
-A pid alone is not an identity (pids are reused), so every pid servegrid keeps
-is paired with the process's start time.
+A pid alone is not an identity (pids are reused), so every pid servegrid keeps is paired with the process's
+start time as the kernel keeps it: clock ticks since boot (``/proc/<pid>/stat`` field 22) and the boot's id
+(``/proc/sys/kernel/random/boot_id``). Never an epoch time: psutil's ``create_time()`` adds the boot time, which
+moves when the wall clock is stepped (NTP, a VM's resume, ``date``), and after a 1 s step every process would
+look like another one, stopping every server of the run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -18,22 +22,49 @@ from dataclasses import dataclass
 
 import psutil
 
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot's id: start ticks restart from zero at a reboot."""
+    with open(BOOT_ID_PATH, encoding="ascii") as f:
+        return f.read().strip()
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(start ticks, state letter) of ``pid`` from ``/proc/<pid>/stat``, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')': the fields after its last ')'.
+    fields = raw.rsplit(")", 1)[1].split()
+    return int(fields[19]), fields[0]  # field 22 (starttime) and field 3 (state)
+
 
 @dataclass(frozen=True)
 class ProcessRef:
     pid: int
-    create_time: float
+    start_ticks: int  # the kernel's start time, clock ticks after boot: untouched by wall-clock steps
+    boot: str = ""  # the boot's id ("" only for a record of an older servegrid's, converted once)
 
     @classmethod
     def of(cls, pid: int) -> ProcessRef:
-        return cls(pid, psutil.Process(pid).create_time())
+        stat = _stat(pid)
+        if stat is None:
+            raise psutil.NoSuchProcess(pid)
+        return cls(pid, stat[0], boot_id())
 
     def alive(self) -> bool:
-        try:
-            proc = psutil.Process(self.pid)
-            return proc.create_time() == self.create_time and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        stat = _stat(self.pid)
+        return (
+            stat is not None
+            and stat[0] == self.start_ticks
+            and stat[1] != "Z"
+            and (not self.boot or self.boot == boot_id())
+        )
 
     def carries(self, session: str) -> bool:
         """Alive, and one of that server session's processes (:data:`SESSION_ENV` in its environment)."""
@@ -42,12 +73,27 @@ class ProcessRef:
         except psutil.Error:
             return False
 
-    def to_dict(self) -> dict[str, float]:
-        return {"pid": self.pid, "create_time": self.create_time}
+    def to_dict(self) -> dict[str, int | str]:
+        return {"pid": self.pid, "start_ticks": self.start_ticks, "boot": self.boot}
 
     @classmethod
     def from_dict(cls, data: dict | None) -> ProcessRef | None:
-        return cls(int(data["pid"]), float(data["create_time"])) if data else None
+        if not data:
+            return None
+        if "start_ticks" in data:
+            return cls(int(data["pid"]), int(data["start_ticks"]), str(data.get("boot") or ""))
+        # A record an older servegrid wrote (an epoch start time): its ticks as psutil derived the time from them.
+        ticks = round((float(data["create_time"]) - psutil.boot_time()) * os.sysconf("SC_CLK_TCK"))
+        return cls(int(data["pid"]), ticks, "")
+
+    def token(self) -> str:
+        """``pid:ticks:boot`` (an environment variable's value): see :meth:`from_token`."""
+        return f"{self.pid}:{self.start_ticks}:{self.boot}"
+
+    @classmethod
+    def from_token(cls, raw: str) -> ProcessRef:
+        pid, ticks, boot = raw.split(":")  # ValueError if it is not three fields
+        return cls(int(pid), int(ticks), boot)
 
 
 # Every process of a server carries its session in its environment (inherited by the engine's
@@ -85,7 +131,7 @@ def tree(pid: int) -> list[ProcessRef]:
         root = psutil.Process(pid)
         for proc in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
-                refs.append(ProcessRef(proc.pid, proc.create_time()))
+                refs.append(ProcessRef.of(proc.pid))
     except psutil.Error:
         pass
     return refs

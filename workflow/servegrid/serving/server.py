@@ -62,7 +62,7 @@ OWNER_ENV = "SERVEGRID_OWNER"
 
 def owner_token(owner: procs.ProcessRef) -> str:
     """How a job learns its owner: pid and start time (a pid alone may be someone else's by then)."""
-    return f"{owner.pid}:{owner.create_time!r}"
+    return owner.token()
 
 
 def owner_from_env() -> procs.ProcessRef | None:
@@ -76,11 +76,10 @@ def owner_from_env() -> procs.ProcessRef | None:
     if not raw:
         return None
     try:
-        pid, create_time = raw.split(":")
-        owner = procs.ProcessRef(int(pid), float(create_time))
+        owner = procs.ProcessRef.from_token(raw)
     except ValueError:
         raise ServerError(
-            f"{OWNER_ENV}={raw!r} is not 'pid:start-time' (servegrid.serving.server.owner_token)"
+            f"{OWNER_ENV}={raw!r} is not 'pid:start-ticks:boot-id' (servegrid.serving.server.owner_token)"
         ) from None
     if not owner.alive():
         raise ServerError(f"the Snakemake process ({OWNER_ENV}={raw}) that runs this job is gone: no server is "
