@@ -242,6 +242,29 @@ def test_two_pipelines(tmp_path: Path, matrix):  # type: ignore[no-untyped-def]
     matrix.record("two-pipelines", None, f"both servers up at once, on ports {min(ports_a)} and {min(ports_b)}")
 
 
+def test_proxy_variables_do_not_reach_control_calls(workdir: Path, matrix):  # type: ignore[no-untyped-def]
+    """A cluster that sets http_proxy for downloads and no no_proxy: through the proxy, a healthy server on
+    127.0.0.1 would never answer its health check, and start-up would wait out startup_timeout_s."""
+    config = calibration_config()
+    config["operations"]["startup_timeout_s"] = 20  # the calibration server is healthy in about a second
+    write_yaml(workdir / CONFIG, config)
+    with socket.socket() as dead:  # a port nothing listens on: a proxy that refuses every connection
+        dead.bind(("127.0.0.1", 0))
+        proxy = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
+    env |= {
+        name: proxy for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+    }
+    result, took = run_snakemake(workdir, env=env)
+    assert result.returncode == 0, tail(said(result))
+    assert "did not become healthy" not in said(result)
+    assert_grid_complete(workdir)
+    assert_clean(workdir)
+    rerun = assert_rerun_completes(workdir)
+    assert "Nothing to be done" in said(rerun)
+    matrix.record("proxy-variables", None, f"the grid measured in {took:.1f} s, the proxy never asked")
+
+
 def test_stale_records(done: Path, stranger: subprocess.Popen, matrix):  # type: ignore[no-untyped-def]
     workdir = done
     record_path = state.host_directory(workdir / paths.STATE_DIR) / "only.json"

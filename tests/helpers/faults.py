@@ -116,6 +116,12 @@ FAULTS: dict[str, Fault] = {
         "`servegrid server down --all` signals only processes that carry the server's session",
         "starts new servers",
     ),
+    "proxy-variables": Fault(
+        "`http_proxy`, `https_proxy` and `all_proxy` set to a dead proxy, no `no_proxy` (a cluster's download proxy)",
+        "control calls (health, warm-up, metrics, tokenize) never go through a proxy: the servers they call are the "
+        "ones servegrid launched on this host",
+        "nothing left to do",
+    ),
     "disk-full": Fault(
         "disk full while a cell file is written (`RLIMIT_FSIZE`)",
         "the cell fails naming the file and the error; no cell file, no partial one",

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from servegrid.control_http import control_client
 from servegrid.engines import Engine
 from servegrid.errors import GatewayError
 from servegrid.measuring.client import choice_text, stream_events
@@ -64,7 +65,7 @@ def check(
     """Compare the server's and the gateway's answers to the same requests; raise where the gateway would make
     a cell measure something else, return the findings otherwise. ``chat``: check the chat path too."""
     findings: dict[str, Any] = {"per_chunk_usage": True, "same_text": True}
-    with httpx.Client(timeout=120.0, headers=server_headers) as client:  # the gateway's key per request
+    with control_client(120.0, server_headers) as client:  # the gateway's key per request
         prompt = engine.tokenize(client, server_url, served_name, PROBE_TEXT)
         requests = [("completion", engine.completions_path, lambda model: engine.completion_payload(
             model, prompt, PROBE_TOKENS, 0.0))]  # fmt: skip

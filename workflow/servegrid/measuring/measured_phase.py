@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from httpx_aiohttp import HttpxAiohttpClient
 
 from servegrid import modes
 from servegrid.config import Operations
+from servegrid.control_http import async_control_client, control_client
 from servegrid.engines import Engine, metrics
 from servegrid.errors import CellError, CellStalled
 from servegrid.measuring.client import Streamer, streaming_session
@@ -93,7 +93,7 @@ async def measure(
     warmup_limit = warmup_stall_limit_s(operations.stall_floor_s, operations.request_timeout_s)
     all_records: list[RequestRecord] = []
     repeats: dict[str, list[dict[str, Any]]] = {r.name: [] for r in routes}
-    with httpx.Client(timeout=120.0, headers=headers) as sync_client:
+    with control_client(120.0, headers) as sync_client:
 
         def tokenize(text: str) -> list[int]:
             return engine.tokenize(sync_client, url, model, text)
@@ -103,7 +103,7 @@ async def measure(
         # the measured streams through aiohttp itself, whose connections stamp every socket read
         # (servegrid.measuring.client; benchmarks/client_overhead.py measures what each path adds).
         async with contextlib.AsyncExitStack() as stack:
-            client = await stack.enter_async_context(HttpxAiohttpClient(timeout=timeout, headers=headers))
+            client = await stack.enter_async_context(async_control_client(timeout, headers))
             sessions = {
                 r.name: await stack.enter_async_context(
                     streaming_session(concurrency + 4, operations.request_timeout_s, dict(r.headers))

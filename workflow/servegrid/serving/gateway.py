@@ -32,6 +32,7 @@ import yaml
 from servegrid import atomic, redact
 from servegrid.config import Experiment, spec_hash
 from servegrid.config.sections import ProxySection
+from servegrid.control_http import control_client
 from servegrid.errors import GatewayError, ServerError
 from servegrid.serving import launch, procs, server, state
 
@@ -196,7 +197,7 @@ def lease(runtime: server.Runtime) -> Any:
 
 def _healthy(record: dict[str, Any], proxy: ProxySection) -> bool:
     try:
-        with httpx.Client(timeout=5.0) as client:
+        with control_client(5.0) as client:
             names = LiteLLMProbe(headers(proxy)).served_names(client, record["url"])
     except httpx.HTTPError:
         return False

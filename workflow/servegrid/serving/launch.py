@@ -25,6 +25,7 @@ from typing import Protocol
 import httpx
 
 from servegrid import atomic, paths, progress
+from servegrid.control_http import control_client
 from servegrid.errors import ServerError
 from servegrid.serving import hostlocks, procs, state
 from servegrid.serving.state import Runtime
@@ -152,7 +153,7 @@ def wait_healthy(
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
     tick = progress.Every()
-    with httpx.Client(timeout=2.0, headers=headers) as client:
+    with control_client(2.0, headers) as client:
         while True:
             if tick.due():  # a GPU server can take many minutes: say it is on its way, and where
                 last = log_tail(log_path, 1).strip()[:200] or "(nothing logged yet)"

@@ -34,6 +34,7 @@ import httpx
 
 from servegrid import atomic, engines, redact
 from servegrid.config import spec_hash
+from servegrid.control_http import control_client
 from servegrid.engines import Engine
 from servegrid.errors import EngineRefused, ServerError
 from servegrid.serving import hostinfo, procs, state
@@ -217,7 +218,7 @@ def _start(
             f"server {configuration}",
         )  # fmt: skip
         startup_s = time.monotonic() - started
-        with httpx.Client(timeout=600.0, headers=auth_headers(spec)) as client:
+        with control_client(600.0, auth_headers(spec)) as client:
             warm_started = time.monotonic()
             try:
                 engine.warm_up(client, url, spec["served_name"])
@@ -301,7 +302,7 @@ def _answers(
     timeout_s = max(runtime.liveness_floor_s, LIVENESS_FACTOR * float(facts.get("warmup_s") or 0.0))
     started = time.monotonic()
     try:
-        with httpx.Client(timeout=timeout_s, headers=auth_headers(spec)) as client:
+        with control_client(timeout_s, auth_headers(spec)) as client:
             engine.warm_up(client, record["url"], spec["served_name"])
         return True
     except (httpx.HTTPError, ServerError) as exc:
@@ -317,7 +318,7 @@ def _healthy(engine: Engine, record: dict[str, Any], spec: dict[str, Any]) -> bo
     """The recorded server answers its health check, and as itself (its launch's own name)."""
     url = record["url"]
     try:
-        with httpx.Client(timeout=5.0, headers=auth_headers(spec)) as client:
+        with control_client(5.0, auth_headers(spec)) as client:
             if client.get(f"{url}{engine.health_path}").status_code != 200:
                 return False
             return identity(record["session"]) in engine.served_names(client, url)
