@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import httpx
-from httpx_aiohttp import HttpxAiohttpClient
 
 
 def control_client(timeout: float, headers: Mapping[str, str] | None = None) -> httpx.Client:
@@ -22,5 +21,8 @@ def control_client(timeout: float, headers: Mapping[str, str] | None = None) -> 
 
 def async_control_client(timeout: float, headers: Mapping[str, str] | None = None) -> httpx.AsyncClient:
     """The same, for control calls made beside the measured streams (the metrics scrape): on aiohttp's transport,
-    one event loop and one HTTP stack for both (``trust_env=False`` as well)."""
+    one event loop and one HTTP stack for both (``trust_env=False`` as well). Imported here: the servers'
+    and the jobs' start-up never load aiohttp (tests/unit/test_architecture.py)."""
+    from httpx_aiohttp import HttpxAiohttpClient
+
     return HttpxAiohttpClient(timeout=timeout, headers=dict(headers or {}), trust_env=False)
