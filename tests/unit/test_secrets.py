@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from helpers import copy_workflow, free_port_range, write_yaml
+from helpers import copy_workflow, free_port_range, with_changes, write_yaml
 from servegrid import redact
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
@@ -86,3 +87,17 @@ def test_a_planted_key_and_secrets_appear_nowhere_after_a_whole_run(tmp_path):
     assert hits == []
     html = (workdir / "results" / "report" / "servegrid-pt.html").read_text()
     assert "HF_TOKEN=***" in html and "PLAIN=shown" in html  # masked, not dropped
+
+
+@pytest.mark.parametrize(
+    ("where", "args"),
+    [("engine.args", ["--hf-token", "hf_abc"]), ("configurations.ngram.args", ["--hf_token=hf_abc"]),
+     ("engine.args", ["--token=t"])],
+)  # fmt: skip
+def test_a_token_flag_is_refused_in_the_launch_arguments(demo_raw, where, args):
+    """Masked in servegrid's records, a token in the argv would still be in `ps`, in launch.json and in vLLM's own
+    "non-default args" log line, whose tail a failed start pastes into the cell's log: refused before anything runs."""
+    flags = [*demo_raw["engine"]["args"], *args] if where == "engine.args" else args
+    flag = args[0].split("=", 1)[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(where)}: '{re.escape(flag)}' would put a secret"):
+        Experiment(with_changes(demo_raw, **{where: flags}))

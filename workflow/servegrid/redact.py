@@ -34,7 +34,8 @@ def flag_name(arg: str) -> str:
     return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
 
 
-def _secret_flag(arg: str) -> bool:
+def is_secret_flag(arg: str) -> bool:
+    """A command-line flag that carries a secret (``--token``, ``--hf-token``, ..., in any spelling)."""
     return flag_name(arg).lower() in _SECRET_FLAGS
 
 
@@ -46,7 +47,7 @@ def argv(args: Sequence[str]) -> list[str]:
         if mask_next:
             out.append(MASK)
             mask_next = False
-        elif _secret_flag(arg):
+        elif is_secret_flag(arg):
             if "=" in arg:
                 out.append(arg.split("=", 1)[0] + "=" + MASK)
             else:

@@ -110,6 +110,13 @@ class VLLMEngine:
                         f"{where}: '--api-key' would put the key in the server's argv and log; name the variable "
                         "that holds it in engine.api_key_env instead"
                     )
+                if redact.is_secret_flag(arg):
+                    # In the argv it is in `ps`, in launch.json and in vLLM's own "non-default args" log line.
+                    raise ConfigError(
+                        f"{where}: '{arg.split('=', 1)[0]}' would put a secret in the server's command line, where "
+                        "`ps` and vLLM's own log show it; set it in the environment instead (e.g. HF_TOKEN, which "
+                        "vLLM and huggingface_hub read), exported before the run, never in the config"
+                    )
                 if flag in RESERVED_FLAGS:
                     raise ConfigError(
                         f"{where}: '{arg.split('=', 1)[0]}' is set by servegrid "
