@@ -247,3 +247,43 @@ def test_null_token_counts_are_no_count_and_a_stream_without_any_is_an_error():
     record = RequestRecord("r", 0, 0, "measured", 1, 4, 2)
     decode_into(raw, [(1, len(raw))], record)
     assert record.error is not None and "without usage" in record.error
+
+
+def test_a_send_while_others_are_in_flight_is_no_progress(calibration):
+    """The stall guard's clock: a request sent while others are in flight does not reset it (a timed-out request's
+    successor, on a hung engine, would otherwise keep the guard from ever firing); only a byte that arrives does."""
+    with calibration(Script(ttft_s=0.5, interval_s=1.0)) as srv:  # a chunk 0.5 s after each send, then 1 s apart
+
+        async def overlapping() -> tuple[int, int, int]:
+            async with streaming_session(4, 10) as session:
+                streamer = Streamer(session, srv.url)
+                payload = {"model": "m", "prompt": [1, 2], "max_tokens": 2}
+                first = asyncio.ensure_future(streamer.stream("/v1/completions", payload, _record(2)))
+                while not any(total for stamps in streamer.reads.values() for _, total in stamps):  # its first chunk
+                    await asyncio.sleep(0.005)
+                chunk_ns = streamer.last_progress_ns()
+                await asyncio.sleep(0.1)
+                second = asyncio.ensure_future(streamer.stream("/v1/completions", payload, _record(2)))
+                await asyncio.sleep(0.2)  # the second request is out, its headers in, its first chunk 0.3 s away
+                progress_ns, sent_ns = streamer.last_progress_ns(), streamer.last_sent_ns
+                await asyncio.gather(first, second)
+                return chunk_ns, progress_ns, sent_ns
+
+        chunk_ns, progress_ns, sent_ns = asyncio.run(overlapping())
+    assert sent_ns - chunk_ns > 0.05e9  # the second request went out after the chunk...
+    assert progress_ns == chunk_ns  # ...and counted for nothing
+
+
+def test_the_stall_limit_is_capped_by_the_cells_own_budget():
+    from servegrid.measuring.client_monitor import stall_limit_s
+    from servegrid.measuring.measured_phase import stall_ceiling_s
+
+    warmup = _record(8)
+    warmup.sent_ns, warmup.end_ns = 10**9, 11 * 10**9  # a 10 s warm-up request
+    assert stall_limit_s([warmup], 32, 2.0, 60.0) == 3200.0  # 53 min without a ceiling
+    settings = {"sampling": {"rule": {"max_duration_s": 300.0}}}
+    ceiling = stall_ceiling_s(settings, request_timeout_s=1800.0)
+    assert ceiling == 300.0 and stall_limit_s([warmup], 32, 2.0, 60.0, ceiling) == 300.0
+    assert stall_ceiling_s({"sampling": {"rule": None}}, 1800.0) == 1800.0  # a fixed count: the request timeout
+    assert stall_limit_s([warmup], 1, 2.0, 60.0, ceiling) == 100.0  # under the ceiling: from the warm-up
+    assert stall_limit_s([warmup], 1, 200.0, 60.0, 30.0) == 200.0  # never under the floor

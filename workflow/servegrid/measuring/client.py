@@ -77,6 +77,15 @@ class StampingResponseHandler(ResponseHandler):
             self._reads.setdefault(body, []).append((arrived, body.total_bytes))
 
 
+def _last_body_read_ns(stamps: list[tuple[int, int]]) -> int:
+    """The last read of a stream that brought body bytes (stamps: (ns, body bytes so far)); 0 if none did. From the
+    end: the guard asks every half second while a long stream's stamps run into thousands (the loop's time)."""
+    for i in range(len(stamps) - 1, -1, -1):
+        if stamps[i][1] > (stamps[i - 1][1] if i else 0):
+            return stamps[i][0]
+    return 0
+
+
 class StampingConnector(aiohttp.TCPConnector):
     """A TCP connector that makes every connection a :class:`StampingResponseHandler`."""
 
@@ -172,12 +181,17 @@ class Streamer:
         self._pending: list[tuple[bytes, list[tuple[int, int]], RequestRecord]] = []
         self.in_flight = 0  # requests sent and not yet ended (client_monitor.StallGuard reads these two)
         self.last_sent_ns = 0
+        # When requests went in flight after none were: the start of a busy period. A send while others are in
+        # flight is no progress (a timed-out request's successor would otherwise reset a hung engine's clock).
+        self.busy_since_ns = 0
 
     async def stream(self, path: str, payload: dict[str, Any], record: RequestRecord, decode: bool = True) -> None:
         """POST ``payload`` (a complete streaming request, as the engine builds it) to ``path``."""
         body = orjson.dumps(payload)
         await self.pacer.turn()
         record.sent_ns = self.last_sent_ns = time.monotonic_ns()
+        if self.in_flight == 0:
+            self.busy_since_ns = record.sent_ns
         self.in_flight += 1
         try:
             async with self.session.post(self.base_url + path, data=body, headers=_JSON) as response:
@@ -201,8 +215,9 @@ class Streamer:
             self._pending.append((raw, reads, record))
 
     def last_progress_ns(self) -> int:
-        """When a request was last sent or a byte of a stream in flight last arrived."""
-        return max([self.last_sent_ns, *(stamps[-1][0] for stamps in self.reads.values() if stamps)])
+        """When a byte of a stream's body last arrived (an event: a token, for an engine; a response's headers are
+        none, since a hung engine's API server still sends them), or requests went in flight after none were."""
+        return max([self.busy_since_ns, *(_last_body_read_ns(stamps) for stamps in self.reads.values())])
 
     async def open_connections(self, count: int, path: str) -> None:
         """Fill the keep-alive pool with ``count`` connections (``GET path`` on each: a cheap endpoint,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -152,11 +153,15 @@ def warmup_stall_limit_s(floor_s: float, request_timeout_s: float) -> float:
     return min(request_timeout_s, STALL_FACTOR * floor_s)
 
 
-def stall_limit_s(warmups: list[RequestRecord], concurrency: int, floor_s: float, fallback_s: float) -> float:
+def stall_limit_s(
+    warmups: list[RequestRecord], concurrency: int, floor_s: float, fallback_s: float, ceiling_s: float = math.inf
+) -> float:
     """How long a cell may go without progress: 10 × its slowest warm-up request (a request of the same
     shape, on the same server, just before) × its sessions (a request may wait behind the others'),
-    at least ``floor_s``. Without a completed warm-up: ``fallback_s``."""
+    at least ``floor_s``, at most ``ceiling_s`` (the cell's own budget: no token from any of its requests for
+    as long as it may measure is a hung engine, whatever its size: 32 sessions after a 10 s warm-up would
+    otherwise wait 53 min). Without a completed warm-up: ``fallback_s``."""
     done = [(r.end_ns - r.sent_ns) / 1e9 for r in warmups if r.end_ns and r.sent_ns and not r.error]
     if not done:
         return fallback_s
-    return max(floor_s, STALL_FACTOR * max(done) * concurrency)
+    return max(floor_s, min(STALL_FACTOR * max(done) * concurrency, ceiling_s))

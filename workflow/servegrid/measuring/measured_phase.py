@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -151,6 +152,14 @@ def _route_summary(repeats: list[dict[str, Any]], sampler: Any, monitor: ClientM
     }
 
 
+def stall_ceiling_s(settings: dict[str, Any], request_timeout_s: float) -> float:
+    """The longest a cell's stall guard waits for a token: the cell's own measuring budget (sequential sampling's
+    ``max_duration_s``), at most the request timeout (a stream silent that long fails anyway)."""
+    rule = (settings.get("sampling") or {}).get("rule") or {}
+    budget = float(rule.get("max_duration_s") or math.inf)
+    return min(budget, request_timeout_s)
+
+
 async def _measure_phase(
     settings: dict[str, Any],
     engine: Engine,
@@ -171,6 +180,7 @@ async def _measure_phase(
     mode = modes.get(settings["mode"])
     concurrency = settings["concurrency"]
     model = route.model
+    ceiling_s = stall_ceiling_s(settings, operations.request_timeout_s)
     cache_state = _reset_prefix_cache(engine, sync_client, url)
     plan = StagePlan.from_settings(settings, mode.primary)
     ctx = WorkloadContext(
@@ -194,8 +204,9 @@ async def _measure_phase(
 
     async def begin_measurement() -> None:
         warmups = [r for r in ctx.records if r.phase == "warmup"]
-        limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, warmup_limit)
-        guard.tighten(limit, "from this cell's warm-up")
+        limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, warmup_limit, ceiling_s)
+        basis = "from this cell's warm-up" if limit < ceiling_s else "the cell's own budget, its ceiling"
+        guard.tighten(limit, basis)
         await ctx.streamer.open_connections(concurrency, route.health_path)
         state["before"] = await metrics.scrape(client, url, engine, server_model)
         state["t0_ns"] = time.monotonic_ns()
