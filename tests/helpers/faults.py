@@ -39,8 +39,8 @@ FAULTS: dict[str, Fault] = {
     ),
     "engine-hang": Fault(
         "vLLM engine hangs mid-cell (engine core SIGSTOPped, `/health` still 200)",
-        "the cell fails after 10 × its warm-up × its sessions (at least `stall_floor_s`); the server is "
-        "stopped, not reused",
+        "the cell fails after 10 × its warm-up × its sessions without a token (at least `stall_floor_s`, at most "
+        "the cell's own budget, `max_duration_s`); the server is stopped, not reused",
         "measures the cell on a new server",
     ),
     "hang-between-cells": Fault(
