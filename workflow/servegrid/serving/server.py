@@ -27,7 +27,6 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,8 +36,8 @@ from servegrid.config import spec_hash
 from servegrid.control_http import control_client
 from servegrid.engines import Engine
 from servegrid.errors import EngineRefused, ServerError
-from servegrid.serving import hostinfo, procs, state
-from servegrid.serving.launch import identity, launch_supervised, log_tail, new_session, wait_healthy
+from servegrid.serving import first_request, hostinfo, procs, state
+from servegrid.serving.launch import identity, launch_supervised, new_session, wait_healthy
 from servegrid.serving.state import Runtime, ServerFacts, lease
 
 __all__ = [
@@ -220,28 +219,14 @@ def _start(
         startup_s = time.monotonic() - started
         with control_client(600.0, auth_headers(spec)) as client:
             warm_started = time.monotonic()
-            try:
-                engine.warm_up(client, url, spec["served_name"])
-            except (httpx.HTTPError, ServerError) as exc:
-                # Healthy, then dead at its first request of its own error: the engine cannot serve this
-                # configuration (a result); anything else is a failed start.
-                reason = _engine_refusal(engine, log_path)
-                if reason is None:
-                    raise ServerError(
-                        f"the server for configuration '{configuration}' failed its warm-up request: {exc}\n"
-                        f"Server log: {log_path}\n--- last lines ---\n{log_tail(log_path)}"
-                    ) from exc
-                known = {"configuration": configuration, "engine": engine.kind, "session": session,
+            first_request.warm_up(
+                engine, client, url, spec["served_name"], configuration, log_path,
+                lambda: {"configuration": configuration, "engine": engine.kind, "session": session,
                          "spec_hash": wanted, "url": url, "argv": redact.argv(argv), "env": engine.public_env(env),
                          "gpus": runtime.gpus, "cpus": runtime.cpus, "log_path": str(log_path),
                          "startup_s": round(startup_s, 3), "started_at": started_at,
-                         "host": hostinfo.describe(runtime.gpus)}  # fmt: skip
-                raise EngineRefused(
-                    f"the engine of configuration '{configuration}' died at its first request: {reason}\n"
-                    f"Server log: {log_path}",
-                    reason,
-                    known,
-                ) from exc
+                         "host": hostinfo.describe(runtime.gpus)},
+            )  # fmt: skip
             warmup_s = time.monotonic() - warm_started
             described = engine.describe(client, url, spec["served_name"])
     except BaseException:
@@ -280,18 +265,6 @@ def _start(
 
 
 LIVENESS_FACTOR = 10
-DEATH_WAIT_S = 10.0  # how long a server whose first request failed has to show its engine's death in its log
-
-
-def _engine_refusal(engine: Engine, log_path: Path) -> str | None:
-    """The engine's own reason for dying, once its log shows it (its processes write the traceback while the
-    failed answer is on its way: a bounded wait on the log, not a fixed sleep)."""
-    deadline = time.monotonic() + DEATH_WAIT_S
-    while True:
-        reason = engine.refusal(log_path.read_text(encoding="utf-8", errors="replace"))
-        if reason is not None or time.monotonic() > deadline:
-            return reason
-        time.sleep(0.2)
 
 
 def _answers(
