@@ -136,7 +136,7 @@ def _run_cell(
         try:
             facts = server.ensure(spec, runtime, owner)
         except EngineRefused as refused:
-            return _write_refused(experiment, cell, out_path, settings, started_at, refused)
+            return _write_refused(cell, out_path, settings, started_at, refused)
         need = experiment.longest_request(cell.mode, cell.context)
         if facts.max_model_len is not None and need > facts.max_model_len:
             # Where the config does not state the limit, the server's first answer does: fail before measuring.
@@ -208,7 +208,6 @@ def _run_cell(
 
 
 def _write_refused(
-    experiment: Experiment,
     cell: Cell,
     out_path: Path | str,
     settings: dict[str, Any],
