@@ -55,6 +55,19 @@ def servers(metas: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(list(seen.values()))
 
 
+def refused_configurations(servers: pd.DataFrame) -> dict[str, str]:
+    """Configuration → the engine's reason, for those whose every server session refused its cells (the servers
+    table's ``refused``); one that measured on some server is not refused."""
+    if servers.empty or "refused" not in servers:
+        return {}
+    out = {}
+    for name, sessions in servers.groupby("configuration", sort=False):
+        reasons = sessions["refused"].dropna()
+        if len(reasons) == len(sessions):
+            out[str(name)] = str(reasons.iloc[-1])
+    return out
+
+
 def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) -> pd.DataFrame:
     """Every table of ``tables`` from the cell files (each written whole, or not at all); returns the summary."""
     everything, read_metas = load_cells(cell_paths)

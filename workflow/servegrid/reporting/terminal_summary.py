@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from servegrid import modes, paths
+from servegrid.analysis.aggregation import refused_configurations
 from servegrid.config import Experiment
 from servegrid.errors import UnknownModeError
 from servegrid.stats import intervals
@@ -87,19 +88,15 @@ def text(experiment: Experiment) -> str:
 
 
 def _refused_lines() -> list[str]:
-    """The configurations whose engine died at its first request on every server it got: named, with the
-    engine's reason (the servers table's ``refused``)."""
+    """The configurations whose engine died at its first request on every server it got, with its reason."""
     servers_path = Path(paths.SERVERS_TABLE)
     servers = pd.read_parquet(servers_path) if servers_path.exists() else pd.DataFrame()
-    if "refused" not in servers:
+    refused = refused_configurations(servers)
+    if not refused:
         return []
-    lines = []
-    for name, sessions in servers.groupby("configuration", sort=False):
-        reasons = sessions["refused"].dropna()
-        if len(reasons) == len(sessions):
-            cells = int(sessions["cells"].sum())
-            lines.append(f"  {name} ({cells} cells): {reasons.iloc[-1]}")
-    return ["", "Refused by the engine (not measured; the verdict compares the others):", *lines] if lines else []
+    cells = servers.groupby("configuration")["cells"].sum()
+    lines = [f"  {name} ({int(cells[name])} cells): {reason}" for name, reason in refused.items()]
+    return ["", "Refused by the engine (not measured; the verdict compares the others):", *lines]
 
 
 def _gateway_lines(experiment: Experiment) -> list[str]:

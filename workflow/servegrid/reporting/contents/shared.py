@@ -16,6 +16,7 @@ import pandas as pd
 from babel import Locale
 
 from servegrid import modes, redact
+from servegrid.analysis.aggregation import refused_configurations
 from servegrid.config import Experiment, canonical_json
 from servegrid.modes.base import Mode
 from servegrid.reporting.catalogues import Formatter
@@ -118,13 +119,15 @@ class Contents:
         return self._configurations  # asked for in every row of every table: made once
 
     @cached_property
+    def _refused(self) -> dict[str, str]:
+        return refused_configurations(self.servers)
+
+    @cached_property
     def _configurations(self) -> list[dict[str, Any]]:
         out = []
         for index, (name, conf) in enumerate(self.experiment.configurations.items(), 1):
             sessions = self.servers[self.servers["configuration"] == name] if len(self.servers) else self.servers
             latest = _plain(sessions.iloc[-1].to_dict()) if len(sessions) else {}
-            # Refused: its engine died at its first request on every server it got (no cell measured).
-            reasons = [r for r in sessions["refused"] if isinstance(r, str)] if "refused" in sessions else []
             out.append(
                 {
                     "name": name,
@@ -135,7 +138,7 @@ class Contents:
                     "flags": " ".join(redact.argv(self.experiment.configuration_flags(name))),
                     "server": latest,
                     "sessions": len(sessions),
-                    "refused": reasons[-1] if reasons and len(reasons) == len(sessions) else None,
+                    "refused": self._refused.get(name),  # its engine died at its first request
                 }
             )
         return out
