@@ -25,7 +25,7 @@ import pytest
 from helpers.faults import Matrix, calibration_config, half_written, wait_no_survivors
 from servegrid.analysis import aggregation
 from servegrid.config import Cell, Experiment
-from servegrid.errors import CellStalled
+from servegrid.errors import CellError, CellStalled
 from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.serving import procs, server
@@ -187,6 +187,31 @@ def test_a_server_that_hangs_in_the_warmup_fails_the_cell_at_ten_stall_floors(sa
     no_survivors(sandbox, tmp_path)
 
     # (4)
+    next_run_is_clean(sandbox, tmp_path)
+
+
+def test_a_server_lost_between_the_warmup_and_the_measured_phase_fails_the_cell_cleanly(sandbox, tmp_path, matrix):
+    """The server answers the cell's warm-up in full and exits at the next health check: the one the client sends
+    on each connection it opens for the measured phase (aiohttp's, not httpx's: before the fix, a traceback)."""
+    built, cell = experiment("--fault", f"{CELL_WARMUP}=exit-after")
+
+    # (1) The cell's own error, naming the server's url and the transport's error, with the server log's tail.
+    started = time.monotonic()
+    with pytest.raises(CellError) as raised:
+        run_cell(built, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    took = time.monotonic() - started
+    message = str(raised.value)
+    assert re.match(rf"cell {cell.id}: lost the server at http://127\.0\.0\.1:\d+: Client\w*Error: ", message), message
+    assert "Server log: " in message and "--- last lines ---" in message
+    assert "Traceback" not in message
+    matrix.record("lost-between-stages", took, "from the server's start")
+
+    # (2) Nothing written, not even in part.
+    assert not Path(cell.path).exists()
+    assert half_written(tmp_path) == []
+
+    # (3) and (4)
+    no_survivors(sandbox, tmp_path)
     next_run_is_clean(sandbox, tmp_path)
 
 

@@ -170,6 +170,12 @@ FAULTS: dict[str, Fault] = {
         "counted; the cell is marked invalid (its shared prefix may not be primed)",
         "nothing left to do (the cell is judged by `validity`)",
     ),
+    "lost-between-stages": Fault(
+        "the server exits between the cell's warm-up and its measured phase (killed, out of memory)",
+        "the cell fails naming the lost server, the transport's error and its log's tail (no traceback); no cell "
+        "file",
+        "measures the cell on a new server",
+    ),
     "warmup-hang": Fault(
         "the server hangs during a cell's warm-up",
         "the cell fails after 10 × `stall_floor_s` (not `request_timeout_s`); the server is stopped",

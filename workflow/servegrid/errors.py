@@ -13,7 +13,8 @@ else is a bug and keeps its traceback.
     │   ├── EngineRefused      its engine died of its own error at its first request: the configuration's result
     │   └── GatewayError       the gateway (LiteLLM proxy): start-up, or a field it drops or alters
     ├── CellError          a cell could not be measured; nothing was written
-    │   └── CellStalled        its server stopped making progress: it is stopped, never reused
+    │   ├── CellStalled        its server stopped making progress: it is stopped, never reused
+    │   └── ServerLost         its server stopped answering outside a measured stream (a control call, a connect)
     ├── PreflightError     the host or the user's engine would refuse a configuration (servegrid preflight)
     ├── CellFileError      a cell file cannot be read back
     ├── OutputError        an output cannot be written (disk full, file too large, permissions)
@@ -78,6 +79,12 @@ class CellError(ServegridError):
 
 class CellStalled(CellError):
     """The server made no progress for longer than the cell's work allows: hung, and stopped."""
+
+
+class ServerLost(CellError):
+    """The cell's server stopped answering where no measured request could count it: a control call (metrics,
+    tokenizer, cache reset) or the connections opened before a stage. Raised whatever the transport (httpx or
+    aiohttp), so the cell job adds the server log's tail in one place."""
 
 
 class CellFileError(ServegridError):

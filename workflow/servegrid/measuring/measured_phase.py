@@ -15,13 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
 from servegrid import modes
 from servegrid.config import Operations
 from servegrid.control_http import async_control_client, control_client
 from servegrid.engines import Engine, metrics
-from servegrid.errors import CellError, CellStalled
+from servegrid.errors import CellError, CellStalled, ServerLost
 from servegrid.measuring.client import Streamer, streaming_session
 from servegrid.measuring.client_monitor import (
     ClientMonitor,
@@ -73,6 +74,11 @@ def route_order(routes: Sequence[Route], repeat: int) -> list[Route]:
     return list(routes) if repeat % 2 == 0 else list(reversed(routes))
 
 
+# What a server lost outside a measured stream raises (a measured request's own failure is counted in its record):
+# httpx for control calls, aiohttp underneath them (httpx_aiohttp) and for the connections opened before a stage.
+TRANSPORT_ERRORS = (httpx.HTTPError, aiohttp.ClientError, ConnectionError, TimeoutError)
+
+
 async def measure(
     settings: dict[str, Any],
     engine: Engine,
@@ -85,7 +91,22 @@ async def measure(
     """Run a cell's workload against ``engine``'s server at ``url``, ``repeats`` times, each from a clean
     cache with fresh prompts, once per route (default: direct) in each repeat. ``settings`` is
     :meth:`Experiment.cell_settings`' shape. The result's top level is the first route's; the others' are
-    under ``other_routes``."""
+    under ``other_routes``. A server that stops answering between requests: :class:`ServerLost`."""
+    try:
+        return await _measure(settings, engine, url, model, operations, headers, routes)
+    except TRANSPORT_ERRORS as exc:
+        raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _measure(
+    settings: dict[str, Any],
+    engine: Engine,
+    url: str,
+    model: str,
+    operations: Operations,
+    headers: dict[str, str] | None,
+    routes: Sequence[Route] | None,
+) -> tuple[list[RequestRecord], dict[str, Any]]:
     headers = headers or {}
     routes = list(routes or [Route("direct", url, model, headers, engine.health_path)])
     mode = modes.get(settings["mode"])

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from servegrid import engines, progress
 from servegrid.config import Cell, Experiment
 from servegrid.engines import Engine
-from servegrid.errors import CellError, CellStalled, EngineRefused, GatewayError
+from servegrid.errors import CellError, CellStalled, EngineRefused, GatewayError, ServerLost
 from servegrid.measuring import gateway_check, measured_phase
 from servegrid.records import cell_file
 from servegrid.serving import gateway, hostinfo, launch, placement, procs, server, state
@@ -177,7 +177,7 @@ def _run_cell(
                 f"cell {cell.id}: {exc}\n"
                 f"Server log: {facts.log_path}\n--- last lines ---\n{launch.log_tail(facts.log_path)}"
             ) from None
-        except httpx.HTTPError as exc:
+        except (ServerLost, httpx.HTTPError) as exc:  # httpx: the gateway check before the measured phase
             raise CellError(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
                 f"Server log: {facts.log_path}\n--- last lines ---\n{launch.log_tail(facts.log_path)}"

@@ -93,6 +93,9 @@ class CalibrationServer:
 
     # ---- plain endpoints --------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
+        exit_after = [n for n, kind in self.script.faults.items() if kind == "exit-after"]
+        if exit_after and self.counters.requests >= min(exit_after):
+            os._exit(1)  # between two stages: the connection the client opens for the next one finds no server
         return web.Response(status=200)
 
     async def stats(self, _: web.Request) -> web.Response:
@@ -321,8 +324,9 @@ class RunningServer:
     def __init__(
         self, script: Script, host: str = "127.0.0.1", port: int = 0, dialect: str = VLLM, api_key: str | None = None
     ) -> None:
-        if "engine-death" in script.faults.values():
-            raise ValueError("the engine-death fault exits the process: only a calibration server of its own has it")
+        exits = {"engine-death", "exit-after"} & set(script.faults.values())
+        if exits:
+            raise ValueError(f"the {exits.pop()} fault exits the process: only a calibration server of its own has it")
         self.server = CalibrationServer(script, dialect=dialect, api_key=api_key)
         self.host, self.port = host, port
         self._runner: web.AppRunner | None = None
