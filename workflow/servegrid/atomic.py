@@ -50,6 +50,31 @@ def write_json(target: Path | str, obj: Any) -> None:
     write_text(target, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def write_json_if_absent(target: Path | str, obj: Any) -> bool:
+    """Write ``obj`` to ``target`` unless ``target`` exists; whether it was written. Atomic and exclusive (a
+    hard link fails where the name is taken): a first record never overwrites a later one written in between."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            return False
+        _fsync(target.parent)
+        return True
+    except OSError as exc:
+        raise OutputError(f"{target}: cannot write it ({exc}); nothing was written") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
     """Yield an empty temporary directory; it replaces ``target`` on success."""

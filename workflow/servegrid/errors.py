@@ -11,6 +11,7 @@ else is a bug and keeps its traceback.
     │   └── UnknownModeError   a workload mode no module registered
     ├── ServerError        an inference server: start-up, health, identity, teardown
     │   ├── EngineRefused      its engine died of its own error at its first request: the configuration's result
+    │   ├── StartRaced         its start met a passing condition (its port taken in between): started once more
     │   └── GatewayError       the gateway (LiteLLM proxy): start-up, or a field it drops or alters
     ├── CellError          a cell could not be measured; nothing was written
     │   ├── CellStalled        its server stopped making progress: it is stopped, never reused
@@ -61,6 +62,12 @@ class EngineRefused(ServerError):
         super().__init__(message)
         self.reason = reason
         self.server = server or {}
+
+
+class StartRaced(ServerError):
+    """A start-up failed for a reason that a second try would not meet: another process took its port between the
+    probe and the server's bind, or its first request timed out just after it turned healthy. The server is started
+    once more (on another port), saying so in the log; a second failure is a failure."""
 
 
 class GatewayError(ServerError):

@@ -1,8 +1,8 @@
 """A new server's first request (its warm-up): where an engine that cannot serve its configuration shows it.
 
 Healthy, then dead at its first request of its own error (vLLM's CPU build with MTP and a hybrid model's prefix
-caching): :class:`~servegrid.errors.EngineRefused`, the configuration's result. Any other failure of the warm-up is
-a failed start, with the server log's tail.
+caching): :class:`~servegrid.errors.EngineRefused`, the configuration's result. A timeout is a start worth one more try
+(:class:`~servegrid.errors.StartRaced`); any other failure of the warm-up is a failed start, with the server log's tail.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from servegrid.engines import Engine
-from servegrid.errors import EngineRefused, ServerError
+from servegrid.errors import EngineRefused, ServerError, StartRaced
 from servegrid.serving.launch import log_tail
 
 DEATH_WAIT_S = 10.0  # how long a server whose first request failed has to show its engine's death in its log
@@ -36,7 +36,10 @@ def warm_up(
     except (httpx.HTTPError, ServerError) as exc:
         reason = engine_refusal(engine, log_path)
         if reason is None:
-            raise ServerError(
+            # A first request that timed out just after health (the engine still settling, the host busy for a
+            # moment) is worth one more start; anything else is not.
+            failed = StartRaced if isinstance(exc, httpx.TimeoutException) else ServerError
+            raise failed(
                 f"the server for configuration '{configuration}' failed its warm-up request: {exc}\n"
                 f"Server log: {log_path}\n--- last lines ---\n{log_tail(log_path)}"
             ) from exc

@@ -186,7 +186,10 @@ def ensure(
         if record and state.anything_running(record):
             reason = "its servers changed" if record.get("spec_hash") != wanted else "replaced"
             server.stop_record(record, runtime, reason=f"gateway {reason}")
-        return _start(experiment, proxy, live, wanted, runtime, owner, list(cpus))
+        launched = _launch(experiment, proxy, live, wanted, runtime, owner, list(cpus))
+    # Its wait for health outside the state lock: the servers' decisions go on meanwhile (the caller's gateway
+    # lease keeps other cells from starting or stopping it).
+    return _finish_start(experiment, proxy, live, runtime, launched)
 
 
 def lease(runtime: server.Runtime) -> Any:
@@ -204,7 +207,21 @@ def _healthy(record: dict[str, Any], proxy: ProxySection) -> bool:
     return launch.identity(record["session"]) in names
 
 
-def _start(
+@dataclass(frozen=True)
+class _Launched:
+    key: str
+    version: str
+    session: str
+    url: str
+    record_path: Path
+    log_path: Path
+    argv: list[str]
+    runtime: server.Runtime
+    started: float
+    started_at: str
+
+
+def _launch(
     experiment: Experiment,
     proxy: ProxySection,
     live: dict[str, str],
@@ -212,7 +229,7 @@ def _start(
     runtime: server.Runtime,
     owner: procs.ProcessRef | None,
     cpus: list[int],
-) -> GatewayFacts:
+) -> _Launched:
     key = master_key(proxy)  # before anything starts: a missing key fails at once
     version = installed_version(proxy)
     if proxy.version is not None and version != proxy.version:
@@ -238,30 +255,38 @@ def _start(
     url, record_path, log_path, argv, _ = launch.launch_supervised(
         state.GATEWAY, wanted, gateway_runtime, owner, session, ports, argv_and_env
     )
+    return _Launched(key, version, session, url, record_path, log_path, argv, gateway_runtime, started, started_at)
+
+
+def _finish_start(
+    experiment: Experiment, proxy: ProxySection, live: dict[str, str], runtime: server.Runtime, up: _Launched
+) -> GatewayFacts:
     try:
         launch.wait_healthy(
-            LiteLLMProbe({"Authorization": f"Bearer {key}"}), "the gateway (LiteLLM proxy)", url, {}, record_path,
-            log_path, (proxy.startup_timeout_s, "proxy.startup_timeout_s"), identity, "gateway",
+            LiteLLMProbe({"Authorization": f"Bearer {up.key}"}), "the gateway (LiteLLM proxy)", up.url, {},
+            up.record_path, up.log_path, (proxy.startup_timeout_s, "proxy.startup_timeout_s"),
+            launch.identity(up.session), "gateway",
         )  # fmt: skip
     except BaseException as exc:
-        record = state.read(record_path)
-        if record:
-            server.stop_record(record, gateway_runtime, reason="start-up failed")
+        with state.locked(runtime):
+            record = state.read(up.record_path)
+            if record and record.get("session") == up.session:
+                server.stop_record(record, up.runtime, reason="start-up failed")
         if isinstance(exc, ServerError) and not isinstance(exc, GatewayError):
             raise GatewayError(str(exc)) from None
         raise
     facts = GatewayFacts(
-        url=url,
+        url=up.url,
         started_by_servegrid=True,
         kind=proxy.kind,
-        version=version,
-        session=session,
-        log_path=str(log_path),
-        startup_s=round(time.monotonic() - started, 3),
+        version=up.version,
+        session=up.session,
+        log_path=str(up.log_path),
+        startup_s=round(time.monotonic() - up.started, 3),
         model_list=[{**e, "litellm_params": redact.env(e["litellm_params"])} for e in model_list(experiment, live)],
     )
     atomic.write_json(state.facts_path(runtime, state.GATEWAY), asdict(facts))
-    log.info("gateway %s up at %s in %.1f s (started %s), serving %s", version, url, facts.startup_s, started_at,
-             ", ".join(sorted(live)))  # fmt: skip
-    log.debug("gateway argv: %s", json.dumps(redact.argv(argv)))
+    log.info("gateway %s up at %s in %.1f s (started %s), serving %s", up.version, up.url, facts.startup_s,
+             up.started_at, ", ".join(sorted(live)))  # fmt: skip
+    log.debug("gateway argv: %s", json.dumps(redact.argv(up.argv)))
     return facts

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,16 +24,21 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
+import psutil
 
 from servegrid import atomic, paths, progress
 from servegrid.control_http import control_client
-from servegrid.errors import ServerError
+from servegrid.errors import ServerError, StartRaced
 from servegrid.serving import hostlocks, procs, state
+from servegrid.serving import supervisor as supervisor_module
 from servegrid.serving.state import Runtime
 
 log = logging.getLogger("servegrid.serving.server")  # the servers' progress lines keep their logger's name
 
 LOG_TAIL_LINES = 40
+# What a server that lost its port to another process between the probe and its own bind says as it exits
+# (uvicorn: "[Errno 98] error while attempting to bind on address ...: address already in use").
+PORT_RACED = re.compile(r"address already in use|\[Errno 98\]", re.IGNORECASE)
 
 
 def identity(session: str) -> str:
@@ -104,7 +110,7 @@ def launch_supervised(
         state.facts_path(runtime, name).unlink(missing_ok=True)
         state.failure_path(runtime, name).unlink(missing_ok=True)
         with open(log_dir / f"{session}.supervisor.log", "ab") as sup_log:
-            subprocess.Popen(
+            supervisor = subprocess.Popen(
                 [sys.executable, "-m", "servegrid.serving.supervisor", str(launch_path)],
                 # The process's environment, inherited from its supervisor, and the session that marks every
                 # process of it (procs.SESSION_ENV): what a later stop checks before it signals.
@@ -116,7 +122,25 @@ def launch_supervised(
                 close_fds=True,
                 pass_fds=fds,  # the claims: released by the kernel when the supervisor ends
             )
+        _first_record(launch, record_path, supervisor)
     return url, record_path, log_path, argv, env
+
+
+def _supervisor_alive(record: dict) -> bool:
+    supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
+    return supervisor is not None and supervisor.alive()
+
+
+def _first_record(launch: dict, record_path: Path, supervisor: subprocess.Popen) -> None:
+    """The launch's record before its supervisor writes one (unless it already has): from here on the launch is
+    seen, by a rival's start or a stop, and a supervisor slow to start (a virtual environment on a network
+    filesystem) is told from a dead one by its process, not by a time limit."""
+    try:
+        record = supervisor_module.first_record(launch, procs.ProcessRef.of(supervisor.pid))
+    except psutil.NoSuchProcess:  # it ended at once
+        record = supervisor_module.first_record(launch, procs.ProcessRef(supervisor.pid, -1, procs.boot_id()))
+        record.update(status="exited", returncode=supervisor.wait(), end_reason="the supervisor ended at once")
+    atomic.write_json_if_absent(record_path, record)
 
 
 def log_tail(log_path: Path | str, lines: int = LOG_TAIL_LINES) -> str:
@@ -165,14 +189,19 @@ def wait_healthy(
             if record and identity(record.get("session", "")) != expected_name:
                 record = None  # an earlier session's last words, not this launch's
             if record and record["status"] in ("exited", "stopped"):
-                raise ServerError(
+                tail = log_tail(log_path)
+                raced = PORT_RACED.search(tail)
+                raise (StartRaced if raced else ServerError)(
                     f"{what} exited during start-up "
-                    f"(exit code {record['returncode']}, after {time.monotonic() - started:.1f} s).\n"
-                    f"Log: {log_path}\n--- last lines ---\n{log_tail(log_path)}"
+                    f"(exit code {record['returncode']}, after {time.monotonic() - started:.1f} s)"
+                    f"{': its port was taken by another process in between' if raced else ''}.\n"
+                    f"Log: {log_path}\n--- last lines ---\n{tail}"
                 )
-            if record is None and time.monotonic() - started > 30:
-                supervisor_log = log_path.with_suffix(".supervisor.log")
-                raise ServerError(f"the supervisor of {what} did not start; see {supervisor_log}")
+            if record and record["status"] == "launching" and not _supervisor_alive(record):
+                if (state.read(record_path) or {}).get("status") == "launching":  # not its last words just now
+                    supervisor_log = log_path.with_suffix(".supervisor.log")
+                    raise ServerError(f"the supervisor of {what} ended before it started it; see {supervisor_log}")
+                continue
             if record and record["status"] == "running":
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{url}{probe.health_path}").status_code == 200:
@@ -184,7 +213,7 @@ def wait_healthy(
                             continue
                         # Healthy, but not ours: another process answers on this port (another pipeline's
                         # server, say). Measuring it would measure the wrong server, silently.
-                        raise ServerError(
+                        raise StartRaced(
                             f"{url} answers, but as {names or 'an unnamed server'}, not as {what} that servegrid "
                             f"just launched ({expected_name}): another process holds that port; it was not used"
                         )

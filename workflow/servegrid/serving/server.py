@@ -1,14 +1,15 @@
 """Bring inference servers up, reuse them across cells, and take them down.
 
-It runs over 300 lines: bring-up, reuse and teardown are one protocol under
-one lock, and each step stops or replaces servers that the others start.
+It runs over 300 lines: reuse, rivals, launch and the wait for health are one
+protocol, each step stopping or replacing servers that the others start
+(the stops themselves are :mod:`servegrid.serving.teardown`'s).
 
 A cell job calls :func:`ensure` with its configuration's launch spec. If a
 healthy server with the same spec is already up it is reused; otherwise any
 server that would compete for the same devices is stopped and a new one is
 launched under a :mod:`servegrid.serving.supervisor`, health-checked, warmed up and
-described (:class:`ServerFacts`). :func:`stop` and :func:`stop_all` take
-servers down with their whole process tree.
+described (:class:`ServerFacts`). :func:`stop` and :func:`stop_all`
+(:mod:`~servegrid.serving.teardown`) take servers down with their whole process tree.
 
 What is particular to one kind of server (its argv, environment, health
 endpoint, warm-up request, start-up log and self-description) comes from the
@@ -23,10 +24,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,10 +36,11 @@ from servegrid import atomic, engines, redact
 from servegrid.config import spec_hash
 from servegrid.control_http import control_client
 from servegrid.engines import Engine
-from servegrid.errors import EngineRefused, ServerError
+from servegrid.errors import EngineRefused, ServerError, StartRaced
 from servegrid.serving import first_request, hostinfo, procs, state
 from servegrid.serving.launch import identity, launch_supervised, new_session, wait_healthy
 from servegrid.serving.state import Runtime, ServerFacts, lease
+from servegrid.serving.teardown import discard, status, stop, stop_all, stop_record
 
 __all__ = [
     "OWNER_ENV",
@@ -53,6 +55,7 @@ __all__ = [
     "status",
     "stop",
     "stop_all",
+    "stop_record",
 ]
 
 log = logging.getLogger(__name__)
@@ -135,50 +138,87 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
 
     A server that competes for the same devices is stopped first, but never
     while a cell holds its :func:`lease`: then this waits for the cell to end.
+    The caller holds ``spec``'s own lease (a cell job does), so no other process starts or stops this
+    configuration's server meanwhile. The host's state lock is held only while deciding and launching: the wait
+    for health and the warm-up (minutes on a GPU) run outside it, so another configuration's cell can reuse,
+    start or stop its own server in the meantime.
+    A start that met a passing condition (:class:`StartRaced`) is made once more; a second failure is final.
     """
     configuration = spec["configuration"]
     engine = engines.get(spec["engine"])
     wanted = spec_hash(spec)
+    raced: StartRaced | None = None
     while True:
         with state.locked(runtime):
-            record = state.read(state.record_path(runtime, configuration))
-            facts = state.read(state.facts_path(runtime, configuration))
-            if record and state.supervised(record):
-                if record["spec_hash"] != wanted or not facts:
-                    stop_record(record, runtime, reason="replaced by a server with another spec")
-                elif _healthy(engine, record, spec) and _answers(engine, record, facts, spec, runtime):
-                    return ServerFacts(**facts)
-                else:
-                    # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
-                    # handed to the next cell, whose every request would wait out its timeout.
-                    stop_record(record, runtime, reason="not answering a tiny completion: replaced")
-            elif record and state.anything_running(record):
-                # Its server exited and its supervisor is still winding down (holding the host claims and
-                # about to write its record), or its supervisor is gone and its server is not: finish either.
-                stop_record(record, runtime, reason="half gone: server or supervisor no longer running")
-            _raise_if_failed_before(runtime, configuration, wanted, owner)
-            rivals = [
-                r
-                for other, r in state.records(runtime).items()
-                # The gateway holds no device: it stays up while the servers behind it change.
-                if other not in (configuration, state.GATEWAY) and state.live(r) and _conflicts(runtime.gpus, r["gpus"])
-            ]
-            with contextlib.ExitStack() as held:
-                if all(held.enter_context(state.try_lease(runtime, r["configuration"])) for r in rivals):
-                    for rival in rivals:
-                        stop_record(rival, runtime, reason=f"devices needed by {configuration}")
-                    try:
-                        return _start(spec, engine, wanted, runtime, owner)
-                    except ServerError as exc:
-                        refused = isinstance(exc, EngineRefused) and {"reason": exc.reason, "server": exc.server}
-                        atomic.write_json(
-                            state.failure_path(runtime, configuration),
-                            {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc),
-                             "refused": refused or None},
-                        )  # fmt: skip
-                        raise
-        # A rival server is measuring a cell right now: let it finish.
-        time.sleep(1.0)
+            decided = _reuse_or_launch(spec, engine, wanted, runtime, owner)
+        if isinstance(decided, ServerFacts):
+            return decided
+        if decided is None:  # a rival server is measuring a cell right now: let it finish
+            time.sleep(1.0)
+            continue
+        try:
+            return _finish_start(spec, engine, wanted, runtime, decided)
+        except StartRaced as exc:
+            if raced is None:
+                raced = exc
+                log.warning("server %s: start-up failed for a passing reason, starting it once more: %s",
+                            configuration, str(exc).splitlines()[0])  # fmt: skip
+                continue
+            _record_failure(runtime, configuration, wanted, owner, exc)
+            raise
+        except ServerError as exc:
+            _record_failure(runtime, configuration, wanted, owner, exc)
+            raise
+
+
+def _record_failure(
+    runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None, exc: ServerError
+) -> None:
+    refused = isinstance(exc, EngineRefused) and {"reason": exc.reason, "server": exc.server}
+    atomic.write_json(
+        state.failure_path(runtime, configuration),
+        {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc),
+         "refused": refused or None},
+    )  # fmt: skip
+
+
+def _reuse_or_launch(
+    spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, owner: procs.ProcessRef | None
+) -> ServerFacts | Launched | None:
+    """Under the host's state lock: the running server's facts (reused), a new server's launch (to wait for), or
+    None when a rival server that must give way is measuring a cell."""
+    configuration = spec["configuration"]
+    record = state.read(state.record_path(runtime, configuration))
+    facts = state.read(state.facts_path(runtime, configuration))
+    if record and state.supervised(record):
+        if record["spec_hash"] != wanted or not facts:
+            stop_record(record, runtime, reason="replaced by a server with another spec")
+        elif _healthy(engine, record, spec) and _answers(engine, record, facts, spec, runtime):
+            return ServerFacts(**facts)
+        else:
+            # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
+            # handed to the next cell, whose every request would wait out its timeout.
+            stop_record(record, runtime, reason="not answering a tiny completion: replaced")
+    elif record and state.anything_running(record):
+        # Its server exited and its supervisor is still winding down (holding the host claims and
+        # about to write its record), or its supervisor is gone and its server is not: finish either.
+        stop_record(record, runtime, reason="half gone: server or supervisor no longer running")
+    _raise_if_failed_before(runtime, configuration, wanted, owner)
+    rivals = [
+        r
+        for other, r in state.records(runtime).items()
+        # The gateway holds no device: it stays up while the servers behind it change. A rival still starting
+        # counts (its cell holds its lease while it waits for health, outside the state lock).
+        if other not in (configuration, state.GATEWAY)
+        and state.anything_running(r)
+        and _conflicts(runtime.gpus, r["gpus"])
+    ]
+    with contextlib.ExitStack() as held:
+        if not all(held.enter_context(state.try_lease(runtime, r["configuration"])) for r in rivals):
+            return None
+        for rival in rivals:
+            stop_record(rival, runtime, reason=f"devices needed by {configuration}")
+        return _launch(spec, wanted, runtime, owner)
 
 
 def _raise_if_failed_before(runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None) -> None:
@@ -196,9 +236,21 @@ def _refuse_if_owner_gone(owner: procs.ProcessRef | None) -> None:
         raise ServerError(f"the process that owns this run (pid {owner.pid}) is gone: no server is started for it")
 
 
-def _start(
-    spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, owner: procs.ProcessRef | None
-) -> ServerFacts:
+@dataclass(frozen=True)
+class Launched:
+    """A server launched under its supervisor, not yet healthy."""
+
+    session: str
+    url: str
+    record_path: Path
+    log_path: Path
+    argv: list[str]
+    env: dict[str, str]
+    started: float  # time.monotonic() at the launch
+    started_at: str
+
+
+def _launch(spec: dict[str, Any], wanted: str, runtime: Runtime, owner: procs.ProcessRef | None) -> Launched:
     configuration = spec["configuration"]
     _refuse_if_owner_gone(owner)
     hostinfo.check_cpus(runtime.cpus, f"configurations.{configuration}.cpus")
@@ -210,13 +262,20 @@ def _start(
     url, record_path, log_path, argv, env = launch_supervised(
         configuration, wanted, runtime, owner, session, ports, lambda port: _argv_and_env(spec, runtime, port, session)
     )
+    return Launched(session, url, record_path, log_path, argv, env, started, started_at)
+
+
+def _finish_start(spec: dict[str, Any], engine: Engine, wanted: str, runtime: Runtime, up: Launched) -> ServerFacts:
+    """Wait for the launched server's health, warm it up and describe it; on any failure, stop it."""
+    configuration = spec["configuration"]
+    session, url, log_path, argv, env, started_at = up.session, up.url, up.log_path, up.argv, up.env, up.started_at
     try:
         wait_healthy(
-            engine, f"the server for configuration '{configuration}'", url, auth_headers(spec), record_path,
+            engine, f"the server for configuration '{configuration}'", url, auth_headers(spec), up.record_path,
             log_path, (runtime.startup_timeout_s, "operations.startup_timeout_s"), identity(session),
             f"server {configuration}",
         )  # fmt: skip
-        startup_s = time.monotonic() - started
+        startup_s = time.monotonic() - up.started
         with control_client(600.0, auth_headers(spec)) as client:
             warm_started = time.monotonic()
             first_request.warm_up(
@@ -230,9 +289,10 @@ def _start(
             warmup_s = time.monotonic() - warm_started
             described = engine.describe(client, url, spec["served_name"])
     except BaseException:
-        record = state.read(record_path)
-        if record:
-            stop_record(record, runtime, reason="start-up failed")
+        with state.locked(runtime):
+            record = state.read(up.record_path)
+            if record and record.get("session") == session:
+                stop_record(record, runtime, reason="start-up failed")
         raise
     capacity = engine.startup_facts(log_path.read_text(encoding="utf-8", errors="replace"))
     prefix_cache = engine.prefix_cache(described, spec.get("speculative"))
@@ -297,83 +357,3 @@ def _healthy(engine: Engine, record: dict[str, Any], spec: dict[str, Any]) -> bo
             return identity(record["session"]) in engine.served_names(client, url)
     except httpx.HTTPError:
         return False
-
-
-# ---- teardown -----------------------------------------------------------------
-
-
-def stop_record(record: dict[str, Any], runtime: Runtime, reason: str) -> dict[str, Any]:
-    """Stop one server (via its supervisor, else directly) and confirm its group is gone."""
-    supervisor = procs.ProcessRef.from_dict(record.get("supervisor"))
-    server = procs.ProcessRef.from_dict(record.get("server"))
-    pgid = record.get("pgid")
-    session = record["session"]
-
-    def ours(ref: procs.ProcessRef | None) -> bool:
-        # Pid and start time, and the session in its environment: a record from before a reboot can name a
-        # process that is someone else's now.
-        return ref is not None and ref.carries(session)
-
-    outcome = {"session": session, "reason": reason, "was_running": ours(server)}
-    if ours(supervisor):
-        assert supervisor is not None
-        with contextlib.suppress(ProcessLookupError):  # it may end by itself in between
-            os.kill(supervisor.pid, signal.SIGTERM)
-        procs.wait_gone([supervisor], runtime.shutdown_timeout_s + 10)
-    # Only processes that carry this session, or that its supervisor recorded by pid and start time, are
-    # ever signalled: a recorded pid or group number may be someone else's by now (a reboot, say).
-    latest = state.read(state.record_path(runtime, record["configuration"]))
-    if latest is None or latest.get("session") != session:
-        latest = record  # the supervisor may have added members since ``record`` was read
-    if pgid and (state.server_processes(latest) or ours(server)):
-        # Supervisor missing or too slow: do its job.
-        known = state.recorded_members(latest) + (procs.tree(server.pid) if server and ours(server) else [])
-        procs.terminate_group(pgid, grace_s=runtime.shutdown_timeout_s, session=session, known=known)
-    leftovers = state.server_processes(latest) if pgid else []
-    outcome["left_running"] = [p.pid for p in leftovers]
-    final = state.read(state.record_path(runtime, record["configuration"])) or record
-    outcome["returncode"] = final.get("returncode")
-    outcome["log_path"] = record.get("log_path")
-    if leftovers:
-        raise ServerError(f"processes of server session {record['session']} survived teardown: {outcome}")
-    return outcome
-
-
-def stop(configuration: str, runtime: Runtime, reason: str = "last cell done") -> list[dict[str, Any]]:
-    """Stop the server of ``configuration`` if one is up, once no cell uses it; returns what was done."""
-    with lease(configuration, runtime):
-        return discard(configuration, runtime, reason)
-
-
-def discard(configuration: str, runtime: Runtime, reason: str) -> list[dict[str, Any]]:
-    """Stop the server of ``configuration`` now, for a caller that holds its lease (a cell that found it hung)."""
-    with state.locked(runtime):
-        record = state.read(state.record_path(runtime, configuration))
-        if not record:
-            return []
-        outcome = stop_record(record, runtime, reason)
-        state.facts_path(runtime, configuration).unlink(missing_ok=True)
-        return [outcome]
-
-
-def stop_all(runtime: Runtime, owner: procs.ProcessRef | None = None, reason: str = "pipeline ended") -> list[dict]:
-    """Stop every server (or only those started on behalf of ``owner``): each one is tried even when an
-    earlier one would not go; that failure is raised at the end."""
-    stopped, failures = [], []
-    with state.locked(runtime):
-        for configuration, record in state.records(runtime).items():
-            if owner is not None and record.get("owner") != owner.to_dict():
-                continue
-            try:
-                stopped.append(stop_record(record, runtime, reason))
-            except ServerError as exc:
-                failures.append(str(exc))
-            state.facts_path(runtime, configuration).unlink(missing_ok=True)
-    if failures:
-        raise ServerError("; ".join(failures))
-    return stopped
-
-
-def status(runtime: Runtime) -> list[dict[str, Any]]:
-    """Every server record with whether it is alive now."""
-    return [{**record, "alive": state.live(record)} for record in state.records(runtime).values()]

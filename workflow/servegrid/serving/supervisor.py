@@ -35,6 +35,29 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
+def first_record(launch: dict[str, Any], supervisor: procs.ProcessRef) -> dict[str, Any]:
+    """The record of a launch before its server runs: written by the process that launches the supervisor (so that
+    a slow supervisor, on a network filesystem say, is not taken for a missing one) and by the supervisor itself."""
+    return {
+        "session": launch["session"],
+        "configuration": launch["configuration"],
+        "spec_hash": launch["spec_hash"],
+        "url": launch["url"],
+        "port": launch["port"],
+        "gpus": launch["gpus"],
+        "argv": redact.argv(launch["argv"]),
+        "log_path": launch["log_path"],
+        "owner": launch.get("owner"),
+        "supervisor": supervisor.to_dict(),
+        "server": None,
+        "status": "launching",
+        "returncode": None,
+        "launched_at": now_iso(),
+        "ended_at": None,
+        "end_reason": None,
+    }
+
+
 class Supervisor:
     def __init__(self, launch: dict[str, Any]) -> None:
         self.launch = launch
@@ -44,24 +67,7 @@ class Supervisor:
         self.stop_reason: str | None = None
         self.members: list[procs.ProcessRef] = []
         self._members_checked = float("-inf")
-        self.record: dict[str, Any] = {
-            "session": launch["session"],
-            "configuration": launch["configuration"],
-            "spec_hash": launch["spec_hash"],
-            "url": launch["url"],
-            "port": launch["port"],
-            "gpus": launch["gpus"],
-            "argv": redact.argv(launch["argv"]),
-            "log_path": launch["log_path"],
-            "owner": launch.get("owner"),
-            "supervisor": procs.ProcessRef.of(os.getpid()).to_dict(),
-            "server": None,
-            "status": "launching",
-            "returncode": None,
-            "launched_at": now_iso(),
-            "ended_at": None,
-            "end_reason": None,
-        }
+        self.record = first_record(launch, procs.ProcessRef.of(os.getpid()))
 
     def _write(self, **changes: Any) -> None:
         self.record.update(changes)
