@@ -170,3 +170,42 @@ def test_no_gateway_outlives_a_killed_snakemake(workdir, matrix):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_gateway_that_dies_mid_cell_leaves_the_cell_to_be_measured_again(workdir, matrix):
+    """route: both. The gateway is SIGKILLed while the cell measures: its proxied requests fail for the gateway's
+    sake, not the configuration's, so no cell file is written (one would stand, invalid, for good) and the next run
+    measures the cell, through a new gateway."""
+    raw = gateway_config(decode={"contexts": [32], "concurrency": [2], "output_tokens": 8, "requests_per_session": 150})
+    write_yaml(workdir / CONFIG, raw)
+    key = "sk-" + os.urandom(8).hex()
+    proc = snakemake(workdir, key, start_new_session=True)
+    cell = workdir / "results" / "cells" / "only" / "decode" / "ctx32_c2.parquet"
+    cell_log = workdir / "results" / "logs" / "cells" / "only" / "decode" / "ctx32_c2.log"
+    try:
+        record_path = state.host_directory(workdir / paths.STATE_DIR) / f"{state.GATEWAY}.json"
+        assert wait_for(lambda: (state.read(record_path) or {}).get("status") == "running", 180), "no gateway started"
+        assert wait_for(lambda: cell_log.exists() and "requests done" in cell_log.read_text(), 120), "not measuring"
+        record = state.read(record_path)
+        os.kill(record["server"]["pid"], signal.SIGKILL)  # the proxy itself; its supervisor records its exit
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=300)
+        seconds = time.monotonic() - killed
+        # (1) The cell's error names the gateway's end, its session and its log.
+        log = cell_log.read_text()
+        assert proc.returncode != 0, out[-3000:]
+        assert f"the gateway (session {record['session']}) ended while the cell measured through it: nothing " in log
+        assert "Gateway log: " in log and "--- last lines ---" in log
+        # (2) and (3)
+        assert not cell.exists() and half_written(workdir) == []
+        assert wait_no_survivors(workdir, 60) == []
+        matrix.record("gateway-dies-mid-cell", seconds, "to the end of the run")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    # (4) The next run measures the cell, through a new gateway.
+    again = snakemake(workdir, key)
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out[-3000:]
+    assert cell.exists() and len(gateway_sessions(workdir)) == 2
+    assert wait_no_survivors(workdir, 60) == []

@@ -38,10 +38,18 @@ CELL_LOG = "results/logs/cells/prefix_cache/decode/ctx256_c1.log"
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.MULTILINE)
 
 
-def long_cell(**operations: Any) -> dict[str, Any]:
+# The engine hang strikes a cell of several sessions: requests of the others go on being sent beside the hung ones
+# (no progress), and its stall limit scales with the sessions (servegrid.measuring.client_monitor).
+HANG_SESSIONS = 4
+HANG_CELL = f"results/cells/prefix_cache/decode/ctx256_c{HANG_SESSIONS}.parquet"
+HANG_CELL_LOG = f"results/logs/cells/prefix_cache/decode/ctx256_c{HANG_SESSIONS}.log"
+
+
+def long_cell(sessions: int = 1, **operations: Any) -> dict[str, Any]:
     """One decode cell that measures for about 20 s (eager, 2 cores): time to provoke a fault while it measures
     (each strikes within its first 4 s), short enough for the runs that complete it."""
-    raw = vllm_config(decode={"contexts": [256], "concurrency": [1], "output_tokens": 64, "requests_per_session": 20})
+    grid = {"contexts": [256], "concurrency": [sessions], "output_tokens": 64, "requests_per_session": 20}
+    raw = vllm_config(decode=grid)
     raw["operations"].update(operations)
     return raw
 
@@ -152,18 +160,19 @@ class Chain:
         self.sessions: list[str] = []
         self.needs_unlock = False  # after kill -9 Snakemake's own lock is left behind
 
-    def next_run(self, **operations: Any) -> tuple[subprocess.Popen, dict[str, Any]]:
+    def next_run(self, sessions: int = 1, **operations: Any) -> tuple[subprocess.Popen, dict[str, Any]]:
         """The previous fault's rerun, started until its cell measures on a new server: (Snakemake, record)."""
         kill_survivors(self.workdir)  # nothing to kill unless an earlier test of the chain failed
         if self.needs_unlock:
             rerun_after_kill_9_is_refused_until_unlocked(self.workdir)
             self.needs_unlock = False
-        log = self.workdir / CELL_LOG
+        cell_log = CELL_LOG if sessions == 1 else HANG_CELL_LOG
+        log = self.workdir / cell_log
         if log.exists():  # the previous fault's log, kept beside for reading; the rerun writes its own
             log.rename(log.with_suffix(f".fault-{len(self.sessions)}.log"))
-        proc = start(self.workdir, long_cell(**operations))
+        proc = start(self.workdir, long_cell(sessions, **operations))
         try:
-            wait_measuring(self.workdir)
+            wait_measuring(self.workdir, cell_log)
         except AssertionError:
             proc.kill()
             raise
@@ -211,19 +220,20 @@ def test_server_killed_mid_cell(chain, matrix):
 
 
 def test_engine_hang_mid_cell(chain, matrix):
-    proc, record = chain.next_run(stall_floor_s=2, request_timeout_s=600)
+    """Four sessions: when the engine stops, each session's request hangs; none of them counts as progress."""
+    proc, record = chain.next_run(HANG_SESSIONS, stall_floor_s=2, request_timeout_s=600)
     wait_in_measured_phase(record)
     engine_core(record).send_signal(signal.SIGSTOP)  # the engine stops; the API server's /health still says 200
     stopped = time.monotonic()
     proc.wait(timeout=400)
     seconds = time.monotonic() - stopped
-    log = (chain.workdir / CELL_LOG).read_text()
+    log = (chain.workdir / HANG_CELL_LOG).read_text()
     assert proc.returncode != 0
     assert re.search(r"made no progress for \d+ s with requests in flight \(limit \d+ s, from this cell's warm-up\): "
                      r"stopped, not reused", log), log[-3000:]  # fmt: skip
     assert seconds < 300  # not request_timeout_s (600 s here; 1800 s in config.yaml)
-    ended_cleanly(chain.workdir, proc)
-    matrix.record("engine-hang", seconds, "to the end of the run; `stall_floor_s` 2 s")
+    ended_cleanly(chain.workdir, proc, HANG_CELL)
+    matrix.record("engine-hang", seconds, f"to the end of the run; {HANG_SESSIONS} sessions, `stall_floor_s` 2 s")
 
 
 def test_supervisor_killed_takes_the_server_with_it(chain, matrix):
@@ -288,6 +298,10 @@ def test_no_server_outlives_a_terminated_snakemake(workdir, matrix):
         assert wait_no_survivors(workdir, 45) == [], "processes still running after snakemake-sigterm"
         seconds = time.monotonic() - signalled
         assert half_written(workdir) == []
+        # The running cell was let finish: its file is there, whole, and holds the cell's measured requests.
+        table, meta = cell_file.read_cell(workdir / CELL)
+        assert meta["cell"]["id"] == "prefix_cache/decode/ctx256_c1"
+        assert table.column("phase").to_pylist().count("measured") > 0
         matrix.record("snakemake-sigterm", seconds, "until no process is left")
     finally:
         with contextlib.suppress(ProcessLookupError):

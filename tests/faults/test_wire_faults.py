@@ -191,8 +191,9 @@ def test_a_server_that_hangs_in_the_warmup_fails_the_cell_at_ten_stall_floors(sa
 
 
 def test_a_server_lost_between_the_warmup_and_the_measured_phase_fails_the_cell_cleanly(sandbox, tmp_path, matrix):
-    """The server answers the cell's warm-up in full and exits at the next health check: the one the client sends
-    on each connection it opens for the measured phase (aiohttp's, not httpx's: before the fix, a traceback)."""
+    """The server answers the cell's warm-up in full and exits at the next request for its model list: the one the
+    client sends on each connection it opens for the measured phase (aiohttp's, not httpx's: before the fix, a
+    traceback)."""
     built, cell = experiment("--fault", f"{CELL_WARMUP}=exit-after")
 
     # (1) The cell's own error, naming the server's url and the transport's error, with the server log's tail.

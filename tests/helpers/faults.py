@@ -79,6 +79,12 @@ FAULTS: dict[str, Fault] = {
         "the supervisors see their owner gone and stop the proxy and the server; no cell file",
         "`snakemake --unlock`, then measures the cell again",
     ),
+    "gateway-dies-mid-cell": Fault(
+        "the gateway (LiteLLM proxy) SIGKILLed while a cell measures through it (`route: both`)",
+        "the cell fails naming the gateway's end and its log's tail; no cell file (its proxied requests failed for "
+        "the gateway's sake)",
+        "measures the cell through a new gateway",
+    ),
     "snakemake-sigkill-next-cell": Fault(
         "`kill -9` of Snakemake as the next cell job starts",
         "the server is stopped; the starting cell job starts no server for an owner that is gone",
@@ -109,6 +115,28 @@ FAULTS: dict[str, Fault] = {
     "two-pipelines": Fault(
         "two pipelines in two directories on one host, same `port_range`",
         "host-wide claims give each its own port; each measures only the server it launched",
+        "nothing left to do",
+    ),
+    "port-held-while-loading": Fault(
+        "the first port of `port_range` bound, not yet listening, with SO_REUSEADDR and SO_REUSEPORT (a vLLM still "
+        "loading its weights)",
+        "the port counts as taken (the probe binds with neither option); the server starts on the next port",
+        "nothing left to do",
+    ),
+    "port-raced": Fault(
+        "the server's port taken by another process between the probe and the server's bind",
+        "the server exits ('Address already in use'); servegrid says so and starts it once more on another port",
+        "nothing left to do",
+    ),
+    "slow-start-beside-others": Fault(
+        "one configuration's server slow to start while another configuration's cells run (`--cores 2`)",
+        "the other configuration starts, reuses and stops its server meanwhile: the host's state lock is held "
+        "only to decide and launch, a start's wait by its own configuration's lease",
+        "nothing left to do",
+    ),
+    "clock-step": Fault(
+        "the wall clock stepped by 1 s while servers run (NTP, a VM's resume, `date`)",
+        "nothing stops: a process is known by the kernel's start ticks and the boot's id, never by an epoch time",
         "nothing left to do",
     ),
     "stale-records": Fault(
@@ -172,8 +200,7 @@ FAULTS: dict[str, Fault] = {
     ),
     "lost-between-stages": Fault(
         "the server exits between the cell's warm-up and its measured phase (killed, out of memory)",
-        "the cell fails naming the lost server, the transport's error and its log's tail (no traceback); no cell "
-        "file",
+        "the cell fails naming the lost server, the transport's error and its log's tail (no traceback); no cell file",
         "measures the cell on a new server",
     ),
     "warmup-hang": Fault(

@@ -287,3 +287,50 @@ def test_the_stall_limit_is_capped_by_the_cells_own_budget():
     assert stall_ceiling_s({"sampling": {"rule": None}}, 1800.0) == 1800.0  # a fixed count: the request timeout
     assert stall_limit_s([warmup], 1, 2.0, 60.0, ceiling) == 100.0  # under the ceiling: from the warm-up
     assert stall_limit_s([warmup], 1, 200.0, 60.0, 30.0) == 200.0  # never under the floor
+
+
+def test_every_connection_opened_for_a_stage_must_reach_the_launched_server():
+    """Two real servers on one port, both bound with SO_REUSEPORT (as vLLM's several API servers bind): the kernel
+    spreads connections between them. Each connection the client opens is asked for its server's names; one that
+    reaches the other server fails the cell, where a health check alone would have measured it silently."""
+    from aiohttp import web
+
+    from servegrid.errors import CellError
+    from servegrid.testing.calibration_app import CalibrationServer
+
+    async def scenario() -> str:
+        runners = []
+        port = 0
+        for name in ("servegrid-launched", "someone-else"):
+            runner = web.AppRunner(CalibrationServer(Script(), model=name).app(), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", port, reuse_port=True)
+            await site.start()
+            port = port or site._server.sockets[0].getsockname()[1]
+            runners.append(runner)
+        try:
+            async with streaming_session(16, 10) as session:
+                # 16 new connections, spread by the kernel's hash of each one's ports: all on one server 2 × 2^-16.
+                with pytest.raises(CellError) as raised:
+                    await Streamer(session, f"http://127.0.0.1:{port}").open_connections(
+                        16, "/v1/models", "servegrid-launched"
+                    )
+                return str(raised.value)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    message = asyncio.run(scenario())
+    assert "reached another server (it answers as ['someone-else'], not as servegrid-launched)" in message
+    assert "two servers share its port" in message
+
+
+def test_connections_to_the_launched_server_alone_pass_the_check(calibration):
+    with calibration(Script()) as srv:
+
+        async def scenario() -> None:
+            async with streaming_session(8, 10) as session:
+                await Streamer(session, srv.url).open_connections(8, "/v1/models", "calibration")
+
+        asyncio.run(scenario())
+        assert srv.counters.requests == 0  # a names request is no generation request

@@ -28,6 +28,26 @@ def test_a_flipped_byte_anywhere_in_the_data_is_an_error_naming_the_file(tmp_pat
         assert read.equals(table), f"a flip at byte {offset} of {data_end} read back different data silently"
 
 
+def test_a_footer_changed_after_writing_is_an_error_naming_the_file(tmp_path):
+    """The footer holds the cell's facts as JSON (duration, server counters); page checksums do not cover it. A
+    changed digit still parses, so only the footer's own checksum tells it from the measured value. (The change is
+    made through pyarrow, not as a flipped byte: the facts are in the footer twice, once base64-encoded in Arrow's
+    schema, which is the copy pyarrow reads.)"""
+    import json
+
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "cell.parquet"
+    synthetic_cell(path, "a", "decode", 512, 2, ttft_s=0.1, interval_s=0.01, requests=20, output_tokens=8)
+    table, meta = cell_file.read_cell(path)
+    raw = table.schema.metadata[cell_file.METADATA_KEY]
+    changed = raw.replace(json.dumps(meta["duration_s"]).encode(), json.dumps(meta["duration_s"] * 2).encode(), 1)
+    assert changed != raw and json.loads(changed)  # still valid JSON, another duration
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, cell_file.METADATA_KEY: changed}), path)
+    with pytest.raises(CellFileError, match=r"cell\.parquet: its footer .* does not match its checksum"):
+        cell_file.read_cell(path)
+
+
 def test_a_file_that_is_not_a_cell_file_is_named(tmp_path):
     path = tmp_path / "x.parquet"
     path.write_bytes(b"PAR1 not really")

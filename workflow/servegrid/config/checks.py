@@ -52,6 +52,7 @@ def check(experiment: Experiment) -> None:
             | {f"configurations.{n}.env": c.env or {} for n, c in experiment.configurations.items()},
             tiny_model=_tiny_model_weights(experiment),
         )
+        _no_secret_values(experiment)
         _context_limits(experiment)
         if experiment.model.tiny is not None:
             check_replaceable(experiment.model.path)  # before Snakemake could delete a real model's folder
@@ -113,6 +114,23 @@ def _languages_covered(experiment: Experiment) -> None:
 # Published with malicious code (a credential stealer, 2026-03-24; BerriAI/litellm#24512): never run.
 COMPROMISED_LITELLM = ("1.82.7", "1.82.8")
 RESERVED_PROXY_FLAGS = ("--config", "--host", "--port", "--api_base", "--model")
+
+
+def _no_secret_values(experiment: Experiment) -> None:
+    """A secret's value never sits in the config: Snakemake copies the whole config into each job's script under
+    .snakemake/scripts/, which a killed run (``kill -9``) leaves on disk. The server inherits the environment
+    servegrid runs in, so an exported variable reaches it without the config naming it."""
+    where = {"engine.env": experiment.engine.env or {}} | {
+        f"configurations.{n}.env": c.env or {} for n, c in experiment.configurations.items()
+    }
+    for key, variables in where.items():
+        for name in variables:
+            if redact.is_secret_name(name):
+                raise ConfigError(
+                    f"{key}.{name}: a secret's value does not go in the config (Snakemake copies the config into its "
+                    f"job scripts, which a killed run leaves on disk): export {name} in the environment you run "
+                    "servegrid from instead; the servers inherit it"
+                )
 
 
 def _gateway(experiment: Experiment) -> None:

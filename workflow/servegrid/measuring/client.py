@@ -37,6 +37,7 @@ import aiohttp
 import orjson
 from aiohttp.client_proto import ResponseHandler
 
+from servegrid.errors import CellError
 from servegrid.records.request import RequestRecord
 
 # Events end at a blank line; vLLM sends "\n\n", other servers may send "\r\n\r\n".
@@ -219,22 +220,36 @@ class Streamer:
         none, since a hung engine's API server still sends them), or requests went in flight after none were."""
         return max([self.busy_since_ns, *(_last_body_read_ns(stamps) for stamps in self.reads.values())])
 
-    async def open_connections(self, count: int, path: str) -> None:
-        """Fill the keep-alive pool with ``count`` connections (``GET path`` on each: a cheap endpoint,
-        the engine's health check).
+    async def open_connections(self, count: int, path: str, identity: str | None = None) -> None:
+        """Fill the keep-alive pool with ``count`` connections (``GET path`` on each: a cheap endpoint).
 
         Run before a measured phase so its sessions do not all connect at once:
         hundreds of connects completing together would send their requests in one
         loop iteration, past the pacer, and hold the loop as long.
+
+        With ``identity``, ``path`` lists the served models (``/v1/models``) and every connection must reach the
+        server that answers to ``identity``: where two servers share a port (SO_REUSEPORT), the kernel spreads
+        connections between them, and a connection to the other one would be measured silently.
         """
 
-        async def health() -> None:
+        async def check() -> None:
             async with self.session.get(self.base_url + path) as response:
-                await response.read()
+                body = await response.read()
                 self.reads.pop(response.content, None)
+            if identity is None:
+                return
+            try:
+                names = [str(entry.get("id")) for entry in json.loads(body)["data"]]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                names = []
+            if identity not in names:
+                raise CellError(
+                    f"a connection to {self.base_url} reached another server (it answers as {names or 'nothing'}, "
+                    f"not as {identity}): two servers share its port; nothing was measured on it"
+                )
 
         # Held open together, each GET needs its own connection.
-        await asyncio.gather(*(health() for _ in range(count)))
+        await asyncio.gather(*(check() for _ in range(count)))
 
     def decode_pending(self) -> None:
         """Decode the streams that :meth:`stream` was told not to decode yet."""

@@ -66,6 +66,14 @@ class Route:
     headers: Mapping[str, str] = field(default_factory=dict)
     health_path: str = "/health"  # a cheap GET that fills the keep-alive pool
     per_chunk_usage: bool = True  # False: the stream carries no running token count (client.decode_counted_by_chunk)
+    # The name only the launched server (or gateway) answers to, checked on every connection the cell opens
+    # (Streamer.open_connections); None: not checked (a gateway servegrid did not start).
+    identity: str | None = None
+    names_path: str = "/v1/models"  # where it lists the names it answers to (OpenAI's model list)
+
+    def connection_check(self) -> tuple[str, str | None]:
+        """What each new connection asks (Streamer.open_connections): the names, where there is an identity."""
+        return (self.names_path, self.identity) if self.identity else (self.health_path, None)
 
 
 def route_order(routes: Sequence[Route], repeat: int) -> list[Route]:
@@ -228,7 +236,7 @@ async def _measure_phase(
         limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, warmup_limit, ceiling_s)
         basis = "from this cell's warm-up" if limit < ceiling_s else "the cell's own budget, its ceiling"
         guard.tighten(limit, basis)
-        await ctx.streamer.open_connections(concurrency, route.health_path)
+        await ctx.streamer.open_connections(concurrency, *route.connection_check())
         state["before"] = await metrics.scrape(client, url, engine, server_model)
         state["t0_ns"] = time.monotonic_ns()
         state["first_sample"] = sampler.count
@@ -244,7 +252,7 @@ async def _measure_phase(
     async def resume_timing() -> None:
         # The server closes idle keep-alive connections (vLLM after 5 s): open them again before
         # the stage, or its sessions all connect at once while they are timed.
-        await ctx.streamer.open_connections(concurrency, route.health_path)
+        await ctx.streamer.open_connections(concurrency, *route.connection_check())
         sampler.start()
         monitor.start()
         collector.start()

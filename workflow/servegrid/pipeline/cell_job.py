@@ -6,7 +6,6 @@ A cell whose Snakemake or whose server's supervisor goes away stops at once, wri
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ import pyarrow.parquet as pq
 from servegrid import engines, progress
 from servegrid.config import Cell, Experiment
 from servegrid.engines import Engine
-from servegrid.errors import CellError, CellStalled, EngineRefused, GatewayError, ServerLost
+from servegrid.errors import CellError, CellFileError, CellStalled, EngineRefused, GatewayError, ServerLost
 from servegrid.measuring import gateway_check, measured_phase
 from servegrid.records import cell_file
 from servegrid.serving import gateway, hostinfo, launch, placement, procs, server, state
@@ -70,7 +69,9 @@ def _routes(
     """The cell's routes (experiment.routes()), and what its gateway is and changes; with a gateway, its lease
     is entered on ``held`` (kept until the cell is measured)."""
     served = experiment.model.served_name
-    direct = measured_phase.Route("direct", facts.url, served, headers, engine.health_path)
+    direct = measured_phase.Route(
+        "direct", facts.url, served, headers, engine.health_path, identity=launch.identity(facts.session)
+    )
     if experiment.route == "direct":
         return [direct], None
     proxy = experiment.proxy
@@ -86,10 +87,29 @@ def _routes(
     if not findings["per_chunk_usage"]:
         log.info("cell %s: the gateway drops the per-chunk token count; tokens are counted by chunk", cell.id)
     proxied = measured_phase.Route(
-        "proxy", facts_gw.url, model, gw_headers, gateway.LiteLLMProbe.health_path, findings["per_chunk_usage"]
-    )
+        "proxy", facts_gw.url, model, gw_headers, gateway.LiteLLMProbe.health_path, findings["per_chunk_usage"],
+        identity=launch.identity(facts_gw.session) if facts_gw.started_by_servegrid and facts_gw.session else None,
+    )  # fmt: skip
     routes = {"direct": [direct], "proxy": [proxied], "both": [direct, proxied]}[experiment.route]
     return routes, {"facts": asdict(facts_gw), "model": model, "check": findings}
+
+
+def _raise_if_gateway_ended(cell: Cell, runtime: server.Runtime, gateway_meta: dict[str, Any] | None) -> None:
+    """A cell measured through servegrid's own gateway, which is gone now (killed, crashed): its proxied requests
+    failed for the gateway's sake, not the configuration's, so nothing is written and the next run measures the
+    cell again (a cell file would stand, invalid, for good)."""
+    gateway_facts = (gateway_meta or {}).get("facts") or {}
+    if not gateway_facts.get("started_by_servegrid"):
+        return
+    record = state.read(state.record_path(runtime, state.GATEWAY))
+    if record and record.get("session") == gateway_facts["session"] and state.supervised(record):
+        return
+    log_path = gateway_facts["log_path"]
+    raise CellError(
+        f"cell {cell.id}: the gateway (session {gateway_facts['session']}) ended while the cell measured through "
+        f"it: nothing written, the next run measures the cell again.\n"
+        f"Gateway log: {log_path}\n--- last lines ---\n{launch.log_tail(log_path)}"
+    )
 
 
 def _stop_orphaned_cell(cell: Cell, owner: procs.ProcessRef) -> None:
@@ -156,6 +176,7 @@ def _run_cell(
             if supervisor is not None
             else None
         )
+        gateway_meta: dict[str, Any] | None = None
         try:
             headers = server.auth_headers(spec)
             with contextlib.ExitStack() as through_gateway:
@@ -167,6 +188,7 @@ def _run_cell(
                         settings, engine, facts.url, spec["served_name"], experiment.operations, headers, routes
                     )
                 )
+                _raise_if_gateway_ended(cell, runtime, gateway_meta)  # its lease still held: no one replaced it
         except CellStalled as exc:
             # Hung: the next cell must not get it. The lease is this cell's, so stop it here (no longer
             # watching its supervisor, which this stop ends).
@@ -178,6 +200,7 @@ def _run_cell(
                 f"Server log: {facts.log_path}\n--- last lines ---\n{launch.log_tail(facts.log_path)}"
             ) from None
         except (ServerLost, httpx.HTTPError) as exc:  # httpx: the gateway check before the measured phase
+            _raise_if_gateway_ended(cell, runtime, gateway_meta)
             raise CellError(
                 f"cell {cell.id}: lost the server at {facts.url}: {exc}\n"
                 f"Server log: {facts.log_path}\n--- last lines ---\n{launch.log_tail(facts.log_path)}"
@@ -238,9 +261,9 @@ def _write_refused(
 def _wall_s(path: Path) -> float | None:
     """A cell file's wall time (its server's start included, if it started it), from the file's footer."""
     try:
-        meta = json.loads((pq.read_schema(path).metadata or {})[cell_file.METADATA_KEY])
+        meta = cell_file.metadata(path, pq.read_schema(path).metadata)
         return (datetime.fromisoformat(meta["ended_at"]) - datetime.fromisoformat(meta["started_at"])).total_seconds()
-    except (OSError, KeyError, ValueError, TypeError):
+    except (OSError, KeyError, ValueError, TypeError, CellFileError):
         return None
 
 
@@ -263,7 +286,6 @@ def grid_line(experiment: Experiment, cell: Cell) -> str:
 def _up_to_date(path: str, settings: dict[str, object]) -> bool:
     """The cell file exists and was measured with ``settings`` (its footer's metadata only is read)."""
     try:
-        metadata = pq.read_schema(path).metadata or {}
-        return bool(json.loads(metadata[cell_file.METADATA_KEY]).get("settings") == settings)
-    except (OSError, KeyError, ValueError, pa.ArrowException):
+        return bool(cell_file.metadata(path, pq.read_schema(path).metadata).get("settings") == settings)
+    except (OSError, ValueError, pa.ArrowException, CellFileError):
         return False

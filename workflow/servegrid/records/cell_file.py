@@ -8,6 +8,7 @@ relative to the request's own send time. Column meanings are documented in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -22,6 +23,10 @@ from servegrid.errors import CellFileError
 from servegrid.records.request import RequestRecord
 
 METADATA_KEY = b"servegrid.pipeline.cell_job"
+# SHA-256 of the metadata's bytes. Parquet's page checksums cover the rows, not the footer the metadata lives in: a
+# bit flipped there could leave valid JSON with another duration or server counter. Files from before it was
+# written carry none and are read as before.
+METADATA_SHA256_KEY = b"servegrid.pipeline.cell_job.sha256"
 
 
 def _field(name: str, kind: pa.DataType, doc: str, nullable: bool = True) -> pa.Field:
@@ -90,7 +95,10 @@ def rows(records: list[RequestRecord]) -> dict[str, list[Any]]:
 
 def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, Any]) -> None:
     """Write the cell atomically: the file appears complete or not at all."""
-    schema = CELL_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True, default=str).encode()})
+    encoded = json.dumps(meta, sort_keys=True, default=str).encode()
+    schema = CELL_SCHEMA.with_metadata(
+        {METADATA_KEY: encoded, METADATA_SHA256_KEY: hashlib.sha256(encoded).hexdigest().encode()}
+    )
     table = pa.table(rows(records), schema=schema)
     with atomic.atomic_path(path) as tmp:  # a write that fails (disk full) is an OutputError naming the path
         # Page checksums: a bit flipped on disk is an error on read, never a silently wrong latency.
@@ -103,10 +111,23 @@ def read_cell(path: Path | str) -> tuple[pa.Table, dict[str, Any]]:
         table = pq.read_table(path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as exc:
         raise CellFileError(f"{path}: cannot read the cell file ({exc})") from exc
-    raw = (table.schema.metadata or {}).get(METADATA_KEY)
+    return table, metadata(path, table.schema.metadata)
+
+
+def metadata(path: Path | str, file_metadata: dict[bytes, bytes] | None) -> dict[str, Any]:
+    """The cell's facts from a cell file's Parquet metadata, checked against their checksum."""
+    raw = (file_metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise CellFileError(f"{path}: not a servegrid cell file (no {METADATA_KEY.decode()} metadata)")
-    return table, json.loads(raw)
+    digest = (file_metadata or {}).get(METADATA_SHA256_KEY)
+    if digest is not None and hashlib.sha256(raw).hexdigest().encode() != digest:
+        raise CellFileError(
+            f"{path}: its footer (the cell's facts: duration, server metrics, settings) does not match its checksum"
+        )
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise CellFileError(f"{path}: its footer is not readable JSON ({exc})") from exc
 
 
 def set_aside(path: Path | str) -> Path:

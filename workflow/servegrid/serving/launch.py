@@ -47,9 +47,15 @@ def identity(session: str) -> str:
 
 
 def port_bindable(runtime: Runtime, port: int) -> bool:
+    """Whether nothing holds ``port``: a bind with neither SO_REUSEADDR nor SO_REUSEPORT succeeds.
+
+    Stricter than the server's own bind on purpose. A server still loading its weights may hold its port bound
+    and not yet listening (vLLM binds before it loads), with SO_REUSEADDR (and SO_REUSEPORT with several API
+    servers); a probe that set either option could bind beside it and call the port free, and a second server
+    would then join it. The price: a port with a connection in TIME_WAIT from the previous server looks taken
+    for a minute, and the next port of the range is used.
+    """
     with socket.socket(socket.AF_INET6 if ":" in runtime.host else socket.AF_INET) as probe:
-        # As uvicorn binds: a port in TIME_WAIT from the previous server is free to take.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((runtime.host, port))
         except OSError:

@@ -92,10 +92,15 @@ class CalibrationServer:
         return await handler(request)
 
     # ---- plain endpoints --------------------------------------------------------
-    async def health(self, _: web.Request) -> web.Response:
+    def _exit_if_told(self) -> None:
+        """The exit-after fault: once its request is answered, the next health check or model list (the client asks
+        one on each connection it opens for a stage) finds the process gone."""
         exit_after = [n for n, kind in self.script.faults.items() if kind == "exit-after"]
         if exit_after and self.counters.requests >= min(exit_after):
-            os._exit(1)  # between two stages: the connection the client opens for the next one finds no server
+            os._exit(1)
+
+    async def health(self, _: web.Request) -> web.Response:
+        self._exit_if_told()
         return web.Response(status=200)
 
     async def stats(self, _: web.Request) -> web.Response:
@@ -116,6 +121,7 @@ class CalibrationServer:
         return web.json_response({"version": "calibration"})
 
     async def models(self, _: web.Request) -> web.Response:
+        self._exit_if_told()
         return web.json_response(
             {"data": [{"id": name, "max_model_len": self.script.context_limit} for name in self.names]}
         )

@@ -17,8 +17,8 @@ FAULT_KINDS = {
     "null-tokens": "the first chunk's usage.completion_tokens is null: its tokens cannot be timed",
     "engine-death": "print a vLLM engine core's death (a worker's traceback, 'EngineCore encountered a fatal error') "
     "to stderr, answer HTTP 500 as vLLM does, then exit 1: an engine that refuses its configuration",
-    "exit-after": "answer the request in full, then exit 1 at the next health check (servegrid sends one as it opens "
-    "each connection of a stage): a server lost between two stages (killed, out of memory)",
+    "exit-after": "answer the request in full, then exit 1 at the next health check or model list (servegrid asks one "
+    "on each connection it opens for a stage): a server lost between two stages (killed, out of memory)",
 }
 
 # What a vLLM 0.32 worker and engine core print when a step raises (tests/data/vllm_0_32_engine_death.log, cut).
