@@ -8,6 +8,7 @@ import gc
 import httpx
 import pytest
 
+from servegrid.engines.vllm import VLLMEngine
 from servegrid.measuring.client import (
     StartPacer,
     Streamer,
@@ -313,7 +314,7 @@ def test_every_connection_opened_for_a_stage_must_reach_the_launched_server():
                 # 16 new connections, spread by the kernel's hash of each one's ports: all on one server 2 × 2^-16.
                 with pytest.raises(CellError) as raised:
                     await Streamer(session, f"http://127.0.0.1:{port}").open_connections(
-                        16, "/v1/models", "servegrid-launched"
+                        16, VLLMEngine.names_path, "servegrid-launched", VLLMEngine().names
                     )
                 return str(raised.value)
         finally:
@@ -330,7 +331,9 @@ def test_connections_to_the_launched_server_alone_pass_the_check(calibration):
 
         async def scenario() -> None:
             async with streaming_session(8, 10) as session:
-                await Streamer(session, srv.url).open_connections(8, "/v1/models", "calibration")
+                await Streamer(session, srv.url).open_connections(
+                    8, VLLMEngine.names_path, "calibration", VLLMEngine().names
+                )
 
         asyncio.run(scenario())
         assert srv.counters.requests == 0  # a names request is no generation request

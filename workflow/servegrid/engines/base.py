@@ -96,6 +96,7 @@ class Engine(Protocol):
     kind: str  # the config's engine.kind
     display_name: str  # as the report names it ("vLLM")
     health_path: str
+    names_path: str  # where it lists the names it answers to (see served_names)
     metrics_path: str
     completions_path: str
     chat_path: str
@@ -156,6 +157,10 @@ class Engine(Protocol):
     def served_names(self, client: httpx.Client, url: str) -> list[str]:
         """The names the server at ``url`` answers to (empty if it does not say): how servegrid knows that a
         server is the one it launched, and not another process on the same port."""
+
+    def names(self, body: bytes) -> list[str]:
+        """The names in the server's answer at :attr:`names_path` (empty if it does not say): what each connection
+        a cell opens is checked by (servegrid.measuring.client.Streamer.open_connections)."""
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
         """Version, context limit, KV block size and cache mode, as the running server reports them."""

@@ -1,7 +1,8 @@
 """vLLM as servegrid's engine: its flags, environment, endpoints, log lines and metric names.
 
 Everything vLLM-specific lives here (see :mod:`servegrid.engines.base` for the
-contract). Metric names changed across vLLM releases
+contract); it runs over 300 lines because the protocol is one class, its log
+reading and preflight already in modules of their own. Metric names changed across vLLM releases
 (``vllm:gpu_prefix_cache_hits`` became ``vllm:prefix_cache_hits``;
 ``gpu_cache_usage_perc`` became ``kv_cache_usage_perc``; counters gained
 ``_total`` in the exposition): every sample is reduced to servegrid's canonical
@@ -90,6 +91,7 @@ class VLLMEngine:
     kind = "vllm"
     display_name = "vLLM"
     health_path = "/health"
+    names_path = "/v1/models"
     metrics_path = "/metrics"
     completions_path = "/v1/completions"
     chat_path = "/v1/chat/completions"
@@ -218,8 +220,13 @@ class VLLMEngine:
             raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
 
     def served_names(self, client: httpx.Client, url: str) -> list[str]:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            return [str(entry["id"]) for entry in client.get(f"{url}/v1/models").json()["data"]]
+        with contextlib.suppress(httpx.HTTPError):
+            return self.names(client.get(f"{url}{self.names_path}").content)
+        return []
+
+    def names(self, body: bytes) -> list[str]:
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            return [str(entry["id"]) for entry in json.loads(body)["data"]]
         return []
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:

@@ -30,7 +30,7 @@ import functools
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -220,31 +220,30 @@ class Streamer:
         none, since a hung engine's API server still sends them), or requests went in flight after none were."""
         return max([self.busy_since_ns, *(_last_body_read_ns(stamps) for stamps in self.reads.values())])
 
-    async def open_connections(self, count: int, path: str, identity: str | None = None) -> None:
+    async def open_connections(
+        self, count: int, path: str, identity: str | None = None, names: Callable[[bytes], list[str]] | None = None
+    ) -> None:
         """Fill the keep-alive pool with ``count`` connections (``GET path`` on each: a cheap endpoint).
 
         Run before a measured phase so its sessions do not all connect at once:
         hundreds of connects completing together would send their requests in one
         loop iteration, past the pacer, and hold the loop as long.
 
-        With ``identity``, ``path`` lists the served models (``/v1/models``) and every connection must reach the
-        server that answers to ``identity``: where two servers share a port (SO_REUSEPORT), the kernel spreads
-        connections between them, and a connection to the other one would be measured silently.
+        With ``identity``, ``path`` lists the names the server answers to (read by ``names``) and every connection
+        must reach the server that answers to ``identity``: where two servers share a port (SO_REUSEPORT), the
+        kernel spreads connections between them, and a connection to the other one would be measured silently.
         """
 
         async def check() -> None:
             async with self.session.get(self.base_url + path) as response:
                 body = await response.read()
                 self.reads.pop(response.content, None)
-            if identity is None:
+            if identity is None or names is None:
                 return
-            try:
-                names = [str(entry.get("id")) for entry in json.loads(body)["data"]]
-            except (ValueError, KeyError, TypeError, AttributeError):
-                names = []
-            if identity not in names:
+            answers_as = names(body)
+            if identity not in answers_as:
                 raise CellError(
-                    f"a connection to {self.base_url} reached another server (it answers as {names or 'nothing'}, "
+                    f"a connection to {self.base_url} reached another server (it answers as {answers_as or 'nothing'}, "
                     f"not as {identity}): two servers share its port; nothing was measured on it"
                 )
 

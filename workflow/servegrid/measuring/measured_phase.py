@@ -11,7 +11,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,13 +67,17 @@ class Route:
     health_path: str = "/health"  # a cheap GET that fills the keep-alive pool
     per_chunk_usage: bool = True  # False: the stream carries no running token count (client.decode_counted_by_chunk)
     # The name only the launched server (or gateway) answers to, checked on every connection the cell opens
-    # (Streamer.open_connections); None: not checked (a gateway servegrid did not start).
+    # (Streamer.open_connections): where it lists its names, and how to read them (its engine's, or the gateway's).
+    # None: not checked (a gateway servegrid did not start).
     identity: str | None = None
-    names_path: str = "/v1/models"  # where it lists the names it answers to (OpenAI's model list)
+    names_path: str = ""
+    names: Callable[[bytes], list[str]] | None = None
 
-    def connection_check(self) -> tuple[str, str | None]:
+    def connection_check(self) -> tuple[str, str | None, Callable[[bytes], list[str]] | None]:
         """What each new connection asks (Streamer.open_connections): the names, where there is an identity."""
-        return (self.names_path, self.identity) if self.identity else (self.health_path, None)
+        if self.identity and self.names is not None:
+            return self.names_path, self.identity, self.names
+        return self.health_path, None, None
 
 
 def route_order(routes: Sequence[Route], repeat: int) -> list[Route]:

@@ -70,8 +70,9 @@ def _routes(
     is entered on ``held`` (kept until the cell is measured)."""
     served = experiment.model.served_name
     direct = measured_phase.Route(
-        "direct", facts.url, served, headers, engine.health_path, identity=launch.identity(facts.session)
-    )
+        "direct", facts.url, served, headers, engine.health_path,
+        identity=launch.identity(facts.session), names_path=engine.names_path, names=engine.names,
+    )  # fmt: skip
     if experiment.route == "direct":
         return [direct], None
     proxy = experiment.proxy
@@ -89,6 +90,7 @@ def _routes(
     proxied = measured_phase.Route(
         "proxy", facts_gw.url, model, gw_headers, gateway.LiteLLMProbe.health_path, findings["per_chunk_usage"],
         identity=launch.identity(facts_gw.session) if facts_gw.started_by_servegrid and facts_gw.session else None,
+        names_path=gateway.LiteLLMProbe.names_path, names=gateway.LiteLLMProbe.names,
     )  # fmt: skip
     routes = {"direct": [direct], "proxy": [proxied], "both": [direct, proxied]}[experiment.route]
     return routes, {"facts": asdict(facts_gw), "model": model, "check": findings}

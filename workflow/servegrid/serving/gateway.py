@@ -72,11 +72,18 @@ class LiteLLMProbe:
     def __init__(self, headers: dict[str, str]) -> None:
         self.headers = headers
 
+    names_path = "/v1/models"
+
     def served_names(self, client: httpx.Client, url: str) -> list[str]:
-        response = client.get(f"{url}/v1/models", headers=self.headers)
-        if response.status_code != 200:
+        response = client.get(f"{url}{self.names_path}", headers=self.headers)
+        return self.names(response.content) if response.status_code == 200 else []
+
+    @staticmethod
+    def names(body: bytes) -> list[str]:
+        try:
+            return [str(m.get("id", "")) for m in json.loads(body).get("data") or []]
+        except (ValueError, AttributeError, TypeError):
             return []
-        return [m.get("id", "") for m in response.json().get("data") or []]
 
 
 def master_key(proxy: ProxySection) -> str:

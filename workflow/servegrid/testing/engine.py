@@ -9,6 +9,7 @@ pipeline never does, only the tests.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ class CalibrationEngine:
     kind = "calibration"
     display_name = "calibration server"
     health_path = PATHS["health"]
+    names_path = PATHS["info"]
     metrics_path = PATHS["metrics"]
     completions_path = PATHS["completions"]
     chat_path = PATHS["chat"]
@@ -117,8 +119,13 @@ class CalibrationEngine:
             raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
 
     def served_names(self, client: httpx.Client, url: str) -> list[str]:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            return list(client.get(f"{url}{PATHS['info']}").raise_for_status().json()["names"])
+        with contextlib.suppress(httpx.HTTPError):
+            return self.names(client.get(f"{url}{self.names_path}").raise_for_status().content)
+        return []
+
+    def names(self, body: bytes) -> list[str]:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return [str(name) for name in json.loads(body)["names"]]
         return []
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
