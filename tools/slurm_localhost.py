@@ -237,6 +237,10 @@ class Dirs:
         self.run = root / "run"
         self.log = root / "log"
         self.bin = root / "bin"
+        self.task_prolog = root / "task_prolog.sh"
+        # Present: each job gets a /tmp of its own (TMPDIR, set by the task prolog), as clusters with
+        # job_container/tmpfs give it; absent: jobs on the node share /tmp. Switched by a test, no restart.
+        self.per_job_tmp = root / "per-job-tmp"
 
     def pidfile(self, daemon: str) -> Path:
         return self.run / f"{daemon}.pid"
@@ -400,6 +404,8 @@ InactiveLimit=0
 Waittime=0
 SlurmdTimeout=60
 JobCompType=jobcomp/none
+# per-job /tmp on demand ({dirs.per_job_tmp} present): the prolog's "export TMPDIR=..." reaches the job's tasks
+TaskProlog={dirs.task_prolog}
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
 # accounting: the Snakemake Slurm plugin reads job states with sacct
@@ -434,6 +440,14 @@ StorageLoc={DB_NAME}
 """
     dirs.slurm_conf.write_text(slurm_conf)
     dirs.slurm_conf.chmod(0o644)  # clients of any user read it
+    dirs.task_prolog.write_text(
+        "#!/bin/sh\n"
+        f'if [ -e "{dirs.per_job_tmp}" ]; then\n'
+        '  tmp="/tmp/servegrid-slurm-job-$SLURM_JOB_ID"\n'
+        '  mkdir -p -m 700 "$tmp" && echo "export TMPDIR=$tmp"\n'
+        "fi\n"
+    )
+    dirs.task_prolog.chmod(0o755)
     dirs.cgroup_conf.write_text(cgroup_conf)
     dirs.cgroup_conf.chmod(0o644)
     fd = os.open(dirs.slurmdbd_conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -139,6 +139,12 @@ FAULTS: dict[str, Fault] = {
         "nothing stops: a process is known by the kernel's start ticks and the boot's id, never by an epoch time",
         "nothing left to do",
     ),
+    "two-jobs-one-node": Fault(
+        "two configurations' Slurm jobs packed on one node at once, /tmp shared by them and per job (localhost Slurm)",
+        "each job keeps its own state folder (`<host>-job<id>`: records, leases, gateway) and its own GPU claims; "
+        "each measures all its cells on its own server, neither stops the other's",
+        "nothing left to do",
+    ),
     "stale-records": Fault(
         "server records left from before a reboot (pids now someone else's)",
         "`servegrid server down --all` signals only processes that carry the server's session",

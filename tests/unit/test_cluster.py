@@ -6,6 +6,7 @@ The same profile on a real Slurm runs in tests/slurm/test_slurm_pipeline.py.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -52,3 +53,29 @@ def test_the_slurm_profile_makes_each_configuration_one_job(tmp_path_factory):
     for resources in cells:
         assert "gpu=0" in resources and "cpus_per_task=2" in resources and re.search(r"runtime=\d+", resources)
         assert resources.rstrip().endswith("mpi=")  # the empty mpi resource: no srun step of its own
+
+
+def test_two_slurm_jobs_on_one_node_keep_their_state_and_gpu_claims_apart(tmp_path, monkeypatch):
+    """Slurm packs jobs: two configurations' jobs on one node, a shared /tmp, each seeing its GPU as index 0. Each
+    keeps its own state folder (records, leases, gateway) and claims its GPU 0 as its own; outside Slurm, one
+    pipeline's GPU 0 is still refused to another."""
+    from servegrid.errors import ServerError
+    from servegrid.serving import hostlocks, state
+
+    monkeypatch.setenv("SERVEGRID_LOCK_DIR", str(tmp_path / "claims"))
+    host = state.this_host()
+    folders, claimed = {}, []
+    with contextlib.ExitStack() as held:
+        for job, port in (("101", 1), ("102", 2)):
+            monkeypatch.setenv("SLURM_JOB_ID", job)
+            folders[job] = state.host_directory(tmp_path / "state")
+            # both claim "GPU 0" on one node and one claims folder: each gets its own (ports stay the node's)
+            claimed.append(held.enter_context(hostlocks.claims([0], [port], lambda port: True, f"job {job}")))
+    assert folders == {"101": tmp_path / "state" / f"{host}-job101", "102": tmp_path / "state" / f"{host}-job102"}
+    assert len(claimed) == 2
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert state.host_directory(tmp_path / "state") == tmp_path / "state" / host
+    refused = r"GPU 0 is in use by another servegrid pipeline's server \(pipeline a"
+    with hostlocks.claims([0], [1], lambda port: True, "pipeline a"), pytest.raises(ServerError, match=refused):  # noqa: SIM117
+        with hostlocks.claims([0], [2], lambda port: True, "pipeline b"):
+            pass

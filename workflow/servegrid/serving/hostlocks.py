@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from servegrid.errors import ServerError
+from servegrid.serving import placement
 
 
 def lock_dir() -> Path:
@@ -64,6 +65,14 @@ def _holder(name: str) -> str:
     return "another process"
 
 
+def gpu_claim(gpu: int) -> str:
+    """The claim's name for GPU ``gpu`` as this process numbers it. Inside a Slurm job, GPUs are numbered within
+    the job's allocation (with device constraints every job's first GPU is 0), and Slurm gives each GPU to one job:
+    the claim is the job's own, so two jobs on one node with a shared /tmp never refuse each other's GPU 0."""
+    job = placement.slurm_job()
+    return f"job{job}-gpu{gpu}" if job else f"gpu{gpu}"
+
+
 @contextlib.contextmanager
 def claims(gpus: Sequence[int], ports: Sequence[int], port_free: Callable[[int], bool], holder: str) -> Iterator[
     tuple[int, list[int]]
@@ -74,10 +83,10 @@ def claims(gpus: Sequence[int], ports: Sequence[int], port_free: Callable[[int],
     held: list[int] = []
     try:
         for gpu in gpus:
-            fd = _try_claim(f"gpu{gpu}", holder)
+            fd = _try_claim(gpu_claim(gpu), holder)
             if fd is None:
                 raise ServerError(
-                    f"GPU {gpu} is in use by another servegrid pipeline's server ({_holder(f'gpu{gpu}')})"
+                    f"GPU {gpu} is in use by another servegrid pipeline's server ({_holder(gpu_claim(gpu))})"
                 )
             held.append(fd)
         for port in ports:

@@ -2,9 +2,11 @@
 
 A record names processes by pid, which mean something only on the host that started them: on a cluster whose
 nodes share ``results/``, every node keeps its own folder (``results/.servegrid/<host>/``), so a cell never
-finds, reuses or stops a server of another node. The locks that serialise decisions are not in that folder:
-``flock`` across NFS is not to be relied on, so they are files in this host's own claims directory
-(:func:`servegrid.serving.hostlocks.lock_dir`, node-local), one set per state folder.
+finds, reuses or stops a server of another node; inside a Slurm job, every job its own
+(``results/.servegrid/<host>-job<id>/``, :func:`scope`), so two jobs packed on one node never meet.
+The locks that serialise decisions are not in that folder: ``flock`` across NFS is not to be relied on, so
+they are files in this host's own claims directory (:func:`servegrid.serving.hostlocks.lock_dir`,
+node-local), one set per state folder.
 
 Per configuration the host's folder holds:
 
@@ -31,7 +33,7 @@ import fcntl
 import hashlib
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,9 +121,20 @@ def this_host() -> str:
     return socket.gethostname().split(".")[0] or "localhost"
 
 
+def scope(environ: Mapping[str, str] | None = None) -> str:
+    """The name of this process's state folder: the host's, and inside a Slurm allocation its job's too.
+
+    Slurm packs jobs onto nodes: two configurations' jobs on one node must not see each other's servers (each
+    would take the other's for a rival and stop it between cells), nor share a gateway that dies with whichever
+    job started it. The job id alone, not the step's: a job's cells and its server_stop run in different steps.
+    """
+    job = placement.slurm_job(environ)
+    return f"{this_host()}-job{job}" if job else this_host()
+
+
 def host_directory(state_dir: str | Path, host: str | None = None) -> Path:
-    """The state folder of ``host`` (this one by default) under ``state_dir``; not made."""
-    return Path(state_dir) / (host or this_host())
+    """The state folder of ``host`` (this process's :func:`scope` by default) under ``state_dir``; not made."""
+    return Path(state_dir) / (host or scope())
 
 
 def directory(runtime: Runtime) -> Path:
