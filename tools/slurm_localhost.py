@@ -355,6 +355,9 @@ def _hostname() -> str:
     return socket.gethostname().split(".")[0]
 
 
+DECLARED_CPUS = 4  # the node's CPUs at least (see slurm.conf's SlurmdParameters below)
+
+
 def write_configs(dirs: Dirs, settings: Settings, password: str) -> None:
     host = _hostname()
     cpus = os.cpu_count() or 1
@@ -415,7 +418,11 @@ AccountingStoragePort={settings.dbd_port}
 # not a password with slurmdbd: the munge socket for connections to it (sacct, sacctmgr, slurmctld); AuthInfo
 # alone does not cover those, and they would look for /run/munge/munge.socket.2
 AccountingStoragePass={dirs.munge_socket}
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
+# at least 4 CPUs declared, whatever the machine has (config_overrides: slurmd reports these, not the hardware's):
+# two configurations' jobs of 2 CPUs each run at once on a 2-core test machine (tests/slurm/test_two_jobs_one_node.py);
+# task/none binds nothing, so the declared CPUs only decide what fits
+SlurmdParameters=config_overrides
+NodeName={host} NodeAddr=127.0.0.1 CPUs={max(cpus, DECLARED_CPUS)} RealMemory={memory} State=UNKNOWN
 PartitionName={settings.partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
     # read from slurm.conf's directory; autodetect picks v1 or v2 as mounted

@@ -5,11 +5,13 @@ Before each job kept its own state folder (results/.servegrid/<host>-job<id>/), 
 /tmp shared, each took the other's server for a rival and stopped it between cells (a server start per cell); with
 /tmp per job, nothing was locked and one stopped the other's server mid-cell. The calibration server stands in for
 the engine process (what is checked is servegrid's own state, claims and locks); the two configurations are CPU-only,
-one CPU each, and `--resources cpu_server=2` lets Snakemake run them side by side.
+one CPU each, and `--resources cpu_server=4` (without the workflow profile, whose cpu_server=1 would win) lets
+Snakemake submit both at once.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -51,8 +53,11 @@ def test_two_configurations_jobs_on_one_node_each_measure_on_their_own_server(tm
     write_yaml(workdir / "config" / "two-jobs.yaml", grid())
     flag = slurm_cluster.dir / "per-job-tmp"
     flag.touch() if tmp_per_job else flag.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "snakemake", "aggregate", "--profile", "profiles/slurm", "--configfile",
-            "config/two-jobs.yaml", "--resources", "cpu_server=2", "--default-resources", "mem_mb=2000"]  # fmt: skip
+    # The workflow profile's cpu_server=1 would replace the command line's (docs/slurm.md): without it, four (a
+    # group job books its two cells, side by side in the DAG, as two: GroupResources.basic_layered).
+    argv = [sys.executable, "-m", "snakemake", "aggregate", "--profile", "profiles/slurm", "--workflow-profile",
+            "none", "--configfile", "config/two-jobs.yaml", "--resources", "cpu_server=4", "--default-resources",
+            "mem_mb=2000"]  # fmt: skip
     started = time.monotonic()
     try:
         result = subprocess.run(argv, cwd=workdir, env=slurm_cluster.env, capture_output=True, text=True, timeout=900)
@@ -75,7 +80,10 @@ def test_two_configurations_jobs_on_one_node_each_measure_on_their_own_server(tm
     # ... at once: the two jobs' times overlap on the one node.
     spans = job_spans(slurm_cluster, set(jobs.values()))
     (a_start, a_end), (b_start, b_end) = spans.values()
-    assert max(a_start, b_start) < min(a_end, b_end), spans
+    accounted = slurm_cluster.sacct("-j", ",".join(jobs.values()), "-X", "-P", "-o", "JobID,AllocCPUS,Start,End")
+    assert max(a_start, b_start) < min(a_end, b_end), accounted
+    for job in jobs.values():  # the task prolog's per-job /tmp, where it made one
+        shutil.rmtree(f"/tmp/servegrid-slurm-job-{job}", ignore_errors=True)
     # Each job its own state folder.
     folders = {p.name for p in (workdir / "results" / ".servegrid").iterdir() if p.is_dir()}
     assert {f"-job{job}" for job in jobs.values()} <= {name[name.rfind("-job") :] for name in folders}, folders
