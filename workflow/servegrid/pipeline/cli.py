@@ -87,7 +87,8 @@ def cmd_server_argv(experiment: Experiment, args: argparse.Namespace) -> int:
 def cmd_server_up(experiment: Experiment, args: argparse.Namespace) -> int:
     runtime = _runtime(experiment, args.name)
     owner = procs.ProcessRef.of(args.owner_pid) if args.owner_pid else None
-    facts = server.ensure(experiment.launch_spec(args.name), runtime, owner)
+    with server.lease(args.name, runtime):  # as a cell does: no one starts or stops this server meanwhile
+        facts = server.ensure(experiment.launch_spec(args.name), runtime, owner)
     print(json.dumps(asdict(facts), indent=2))
     return 0
 
