@@ -12,6 +12,7 @@ nothing that plan does not.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -96,15 +97,21 @@ def test_an_scancel_mid_cell_leaves_no_server_and_no_cell_file(workdir, slurm_cl
                                  capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
         assert len(running) == 1, running
         assert configuration == CONFIGURATION
-        record = json.loads((state.host_directory(workdir / paths.STATE_DIR) / f"{configuration}.json").read_text())
+        # The job keeps its servers in its own state folder (state.scope: <host>-job<id>), not the host's.
+        job_state = state.host_directory(workdir / paths.STATE_DIR, f"{state.this_host()}-job{running[0]}")
+        record = json.loads((job_state / f"{configuration}.json").read_text())
         cancelled_at = time.monotonic()
         subprocess.run(["scancel", running[0]], env=slurm_cluster.env, check=True)
         assert wait_for(lambda: not session_processes(record["session"]), 60), "the cancelled job's server lives on"
         gone_after_s = time.monotonic() - cancelled_at
         output, _ = process.communicate(timeout=1200)
     finally:
-        if process.poll() is None:
-            process.kill()
+        if process.poll() is None:  # a failed assertion above: end Snakemake as a user would, so it unlocks
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
     assert process.returncode != 0, output[-3000:]
     cell_file = workdir / "results" / "cells" / log.relative_to(workdir / "results" / "logs" / "cells")
     assert not cell_file.with_suffix(".parquet").exists()  # cancelled mid-cell: nothing half-measured kept
