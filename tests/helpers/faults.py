@@ -145,6 +145,12 @@ FAULTS: dict[str, Fault] = {
         "each measures all its cells on its own server, neither stops the other's",
         "nothing left to do",
     ),
+    "config-edited-while-queued": Fault(
+        "`config.yaml` edited while the run's Slurm job waits in the queue (an output length changed)",
+        "the job measures the config its run planned (`results/.plans/<id>.json`, named by `SERVEGRID_PLAN`) and its "
+        "log names the edited key; tables and cells agree with the plan",
+        "measures the edited cells (their params changed)",
+    ),
     "stale-records": Fault(
         "server records left from before a reboot (pids now someone else's)",
         "`servegrid server down --all` signals only processes that carry the server's session",

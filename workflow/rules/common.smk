@@ -1,6 +1,7 @@
 """Configuration, the grid, and the helpers every rule file uses."""
 
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -8,16 +9,35 @@ from servegrid import paths
 from servegrid.pipeline import slurm
 from servegrid.reporting import document, figure_files, terminal_summary
 from servegrid.serving import server as servers
-from servegrid.config import Experiment, canonical_json
+from servegrid.config import Experiment, canonical_json, plan
 from servegrid.errors import ServegridError, ServerError
 from servegrid.paths import RunTables
 from servegrid.serving.procs import ProcessRef
 from servegrid.config.schema import read_yaml
 
-# Snakemake's YAML loader keeps the last of a key given twice, silently: read each file
-# again, strictly, so that a duplicated configuration fails naming its line.
-for configfile in workflow.config_settings.configfiles or ["config.yaml"]:
-    read_yaml(configfile)
+# A job in a Snakemake of its own (a Slurm job, hours after submission maybe) measures the config its run
+# planned, not the files as edited since: servegrid.config.plan.
+PLANNED = (
+    os.environ.get(plan.PLAN_ENV)
+    if workflow.remote_exec or workflow.subprocess_exec
+    else None
+)
+if PLANNED:
+    planned = plan.read(PLANNED)
+    edited = plan.first_difference(planned, config)
+    config.clear()
+    config.update(planned)
+    if edited:
+        print(
+            f"servegrid: the config was edited after this run planned it ({edited}); this job measures "
+            "what was planned, the next run measures the edit",
+            file=sys.stderr,
+        )
+else:
+    # Snakemake's YAML loader keeps the last of a key given twice, silently: read each file
+    # again, strictly, so that a duplicated configuration fails naming its line.
+    for configfile in workflow.config_settings.configfiles or ["config.yaml"]:
+        read_yaml(configfile)
 
 # Validated against workflow/schemas/config.schema.yaml (with each workload mode's own
 # settings from its module) before any job runs; an error names the key.
@@ -55,6 +75,11 @@ def inherited_owner():
 # supervisors take them down if it disappears, even by SIGKILL.
 if inherited_owner() is None:
     os.environ[servers.OWNER_ENV] = servers.owner_token(ProcessRef.of(os.getpid()))
+
+# The submitting Snakemake writes down what it planned, after validation, for the jobs it submits (exported with
+# the environment, like the owner above).
+if not (workflow.remote_exec or workflow.subprocess_exec or workflow.dryrun):
+    os.environ[plan.PLAN_ENV] = plan.write(config)
 
 
 wildcard_constraints:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 RESULTS = "results"
 STATE_DIR = f"{RESULTS}/.servegrid"  # runtime state of live servers: not a DAG artefact
+PLANS_DIR = f"{RESULTS}/.plans"  # the config each run planned with, read by its queued jobs (config.plan)
 
 CELL_PATTERN = RESULTS + "/cells/{configuration}/{mode}/ctx{context}_c{concurrency}.parquet"
 SERVER_SPEC_PATTERN = RESULTS + "/servers/{configuration}/spec.json"

@@ -1,0 +1,91 @@
+"""The config a run planned with, for the jobs it submits: a queued job measures that, not a later edit.
+
+A Slurm job (or any job Snakemake runs in a Snakemake of its own) parses the Snakefile again and reads the config
+files from disk when it starts, which for a queued job may be hours after submission. Had the user edited
+``config.yaml`` meanwhile, the job would measure the edited workload while the submitting Snakemake's tables and
+report describe the planned one, and nothing would say so. The submitting Snakemake therefore writes the config it
+parsed to ``results/.plans/<id>.json`` and passes the id to its jobs in the environment (the Slurm executor submits
+with the environment exported, as it does for the server owner); a job with an id reads that plan instead of the
+files and logs which key was edited since. The next run sees the edit in each cell's params and measures it.
+
+The config never holds a secret (config.checks refuses them: Snakemake already copies the config into each job's
+script on disk), so writing it down adds no exposure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from servegrid import atomic, paths
+from servegrid.config.experiment import canonical_json
+from servegrid.errors import ConfigError
+
+PLAN_ENV = "SERVEGRID_PLAN"
+
+
+def plan_id(config: Mapping[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()[:16]
+
+
+def plan_path(identifier: str, root: str | Path = ".") -> Path:
+    return Path(root) / paths.PLANS_DIR / f"{identifier}.json"
+
+
+def write(config: Mapping[str, Any], root: str | Path = ".") -> str:
+    """Write the config as planned (once per distinct config) and return its id."""
+    identifier = plan_id(config)
+    path = plan_path(identifier, root)
+    if not path.exists():  # the same config planned again: already written
+        atomic.write_json_if_absent(path, json.loads(canonical_json(config)))
+    return identifier
+
+
+def read(identifier: str, root: str | Path = ".") -> dict[str, Any]:
+    """The planned config of id ``identifier``; a ConfigError if it is gone or is not what that id names."""
+    path = plan_path(identifier, root)
+    try:
+        planned = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: the config this job was planned with is gone (results/ deleted while the run was queued?); "
+            f"start the run again, or unset {PLAN_ENV} to run this job on the config files as they are now"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: the planned config cannot be read ({exc})") from None
+    if not isinstance(planned, dict) or plan_id(planned) != identifier:
+        raise ConfigError(f"{path}: does not hold the config its name says (edited by hand?); start the run again")
+    return planned
+
+
+def first_difference(planned: Any, now: Any, key: str = "") -> str | None:
+    """The first key (dotted, sorted order) whose value differs, as ``key: planned X, now Y``; None if equal."""
+    if isinstance(planned, Mapping) and isinstance(now, Mapping):
+        for name in sorted(set(planned) | set(now), key=str):
+            where = f"{key}.{name}" if key else str(name)
+            if name not in now:
+                return f"{where}: planned {_shown(planned[name])}, now absent"
+            if name not in planned:
+                return f"{where}: absent when planned, now {_shown(now[name])}"
+            found = first_difference(planned[name], now[name], where)
+            if found:
+                return found
+        return None
+    if isinstance(planned, list) and isinstance(now, list) and len(planned) == len(now):
+        for index, (a, b) in enumerate(zip(planned, now, strict=True)):
+            found = first_difference(a, b, f"{key}[{index}]")
+            if found:
+                return found
+        return None
+    # JSON's own equality: a planned tuple read back as a list is no edit
+    if json.loads(canonical_json(planned)) == json.loads(canonical_json(now)):
+        return None
+    return f"{key or '(the whole config)'}: planned {_shown(planned)}, now {_shown(now)}"
+
+
+def _shown(value: Any) -> str:
+    text = canonical_json(value)
+    return text if len(text) <= 80 else text[:77] + "..."
