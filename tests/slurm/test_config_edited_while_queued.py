@@ -11,6 +11,7 @@ The calibration server stands in for the engine process: what is checked is whic
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import time
@@ -43,9 +44,15 @@ def queue(slurm_cluster, state: str) -> list[str]:  # type: ignore[no-untyped-de
 def test_a_job_queued_before_an_edit_measures_what_its_run_planned(tmp_path, slurm_cluster):
     workdir = copy_workflow(tmp_path / "wf")
     config = workdir / "config" / "queued.yaml"
-    write_yaml(config, grid(PLANNED_TOKENS))
-    blocker = subprocess.run(["sbatch", "--parsable", "--exclusive", "--wrap", "sleep 600"], env=slurm_cluster.env,
-                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    planned = grid(PLANNED_TOKENS)
+    write_yaml(config, planned)
+    # Every CPU of the node, little memory (--exclusive would book all memory too, more than DefMemPerCPU allows).
+    cpus = subprocess.run(["sinfo", "-h", "-o", "%c"], env=slurm_cluster.env, capture_output=True, text=True,
+                          check=True).stdout.split()[0]  # fmt: skip
+    submitted = subprocess.run(["sbatch", "--parsable", "-c", cpus, "--mem", "100", "--wrap", "sleep 600"],
+                               env=slurm_cluster.env, capture_output=True, text=True)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    blocker = submitted.stdout.strip()
     argv = [sys.executable, "-m", "snakemake", "aggregate", "--profile", "profiles/slurm", "--configfile",
             "config/queued.yaml", "--default-resources", "mem_mb=2000"]  # fmt: skip
     process = subprocess.Popen(argv, cwd=workdir, env=slurm_cluster.env, stdout=subprocess.PIPE,
@@ -56,7 +63,9 @@ def test_a_job_queued_before_an_edit_measures_what_its_run_planned(tmp_path, slu
         queued = wait_for(lambda: [j for j in queue(slurm_cluster, "PD") if j != blocker] or process.poll(), 300)
         assert queued and process.poll() is None, process.communicate()[0][-3000:]
         (job,) = [j for j in queue(slurm_cluster, "PD") if j != blocker]
-        write_yaml(config, grid(EDITED_TOKENS))  # the user edits the config while the job waits
+        edited_config = copy.deepcopy(planned)  # the user edits one key while the job waits
+        edited_config["workloads"]["decode"]["output_tokens"] = EDITED_TOKENS
+        write_yaml(config, edited_config)
         subprocess.run(["scancel", blocker], env=slurm_cluster.env, check=True)
         output, _ = process.communicate(timeout=600)
     finally:
@@ -70,18 +79,19 @@ def test_a_job_queued_before_an_edit_measures_what_its_run_planned(tmp_path, slu
 
     # The cell measured what was planned, and says so in its settings and its requests.
     (path,) = sorted((workdir / "results" / "cells").rglob("*.parquet"))
-    frame, meta = cell_file.read_cell(path)
+    table, meta = cell_file.read_cell(path)
+    frame = table.to_pandas()
     assert meta["slurm_job"] == job
-    assert meta["settings"]["output_tokens"] == PLANNED_TOKENS
+    assert meta["settings"]["workload"]["output_tokens"] == PLANNED_TOKENS
     measured = frame[frame["phase"] == "measured"]
     assert len(measured) == 4
     assert set(measured["output_tokens_requested"]) == set(measured["output_tokens_reported"]) == {PLANNED_TOKENS}
     summary = pd.read_parquet(workdir / "results" / "tables" / "summary.parquet")
     assert len(summary) == 1 and summary["valid"].all(), summary["invalid_reasons"].tolist()
-    # The job's log names the key edited since the run planned it.
-    slurm_logs = "".join(p.read_text(errors="replace") for p in (workdir / ".snakemake").rglob("slurm_logs/**/*.log"))
-    edited = f"workloads.decode.output_tokens: planned {PLANNED_TOKENS}, now {EDITED_TOKENS}"
-    assert edited in slurm_logs, slurm_logs[-3000:]
+    # The cell's log names the key edited since the run planned it.
+    cell_log = (workdir / "results" / "logs" / path.relative_to(workdir / "results")).with_suffix(".log").read_text()
+    edited = f"(workloads.decode.output_tokens: planned {PLANNED_TOKENS}, now {EDITED_TOKENS});"
+    assert edited in cell_log, cell_log[-3000:]
     assert half_written(workdir) == []
     assert wait_no_survivors(workdir, 30) == []
 

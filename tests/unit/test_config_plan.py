@@ -54,3 +54,12 @@ def test_a_plan_that_is_gone_or_altered_is_refused_naming_the_file(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot be read"):
         plan.read(identifier, tmp_path)
+
+
+def test_the_note_lists_a_few_edits_and_counts_the_rest():
+    now = {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5}
+    assert plan.summary({}, {}) is None
+    assert plan.summary({**now, "a": 0}, now) == "a: planned 0, now 1"
+    assert plan.summary({k: 0 for k in now}, now) == (
+        "a: planned 0, now 1; b: planned 0, now 2; c: planned 0, now 3; and 2 more"
+    )

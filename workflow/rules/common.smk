@@ -1,7 +1,6 @@
 """Configuration, the grid, and the helpers every rule file uses."""
 
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,15 +23,13 @@ PLANNED = (
 )
 if PLANNED:
     planned = plan.read(PLANNED)
-    edited = plan.first_difference(planned, config)
+    edited = plan.summary(planned, config)
     config.clear()
     config.update(planned)
-    if edited:
-        print(
-            f"servegrid: the config was edited after this run planned it ({edited}); this job measures "
-            "what was planned, the next run measures the edit",
-            file=sys.stderr,
-        )
+    if (
+        edited
+    ):  # said in each job's own log (servegrid.pipeline.snakemake_jobs), which outlives the Slurm log
+        os.environ[plan.EDITED_ENV] = edited
 else:
     # Snakemake's YAML loader keeps the last of a key given twice, silently: read each file
     # again, strictly, so that a duplicated configuration fails naming its line.

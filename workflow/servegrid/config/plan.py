@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,19 @@ from servegrid.config.experiment import canonical_json
 from servegrid.errors import ConfigError
 
 PLAN_ENV = "SERVEGRID_PLAN"
+# Set by a job's Snakemake that replays a plan whose files were edited since: the first edited key, for the job's log.
+EDITED_ENV = "SERVEGRID_PLAN_EDITED"
+
+
+def edited_note(environ: Mapping[str, str]) -> str | None:
+    """What a job's log says when its run's config files were edited after the run planned them."""
+    edited = environ.get(EDITED_ENV)
+    if not edited:
+        return None
+    return (
+        f"the config was edited after this run planned it ({edited}); this job measures what was planned "
+        f"({paths.PLANS_DIR}/{environ.get(PLAN_ENV, '?')}.json), the next run measures the edit"
+    )
 
 
 def plan_id(config: Mapping[str, Any]) -> str:
@@ -61,29 +74,37 @@ def read(identifier: str, root: str | Path = ".") -> dict[str, Any]:
     return planned
 
 
-def first_difference(planned: Any, now: Any, key: str = "") -> str | None:
+def first_difference(planned: Any, now: Any) -> str | None:
     """The first key (dotted, sorted order) whose value differs, as ``key: planned X, now Y``; None if equal."""
+    return next(differences(planned, now), None)
+
+
+def summary(planned: Any, now: Any, shown: int = 3) -> str | None:
+    """Up to ``shown`` differing keys, then how many more; None if equal."""
+    found = list(differences(planned, now))
+    if not found:
+        return None
+    more = f"; and {len(found) - shown} more" if len(found) > shown else ""
+    return "; ".join(found[:shown]) + more
+
+
+def differences(planned: Any, now: Any, key: str = "") -> Iterator[str]:
+    """Each key (dotted, sorted order) whose value differs, as ``key: planned X, now Y``."""
     if isinstance(planned, Mapping) and isinstance(now, Mapping):
         for name in sorted(set(planned) | set(now), key=str):
             where = f"{key}.{name}" if key else str(name)
             if name not in now:
-                return f"{where}: planned {_shown(planned[name])}, now absent"
-            if name not in planned:
-                return f"{where}: absent when planned, now {_shown(now[name])}"
-            found = first_difference(planned[name], now[name], where)
-            if found:
-                return found
-        return None
-    if isinstance(planned, list) and isinstance(now, list) and len(planned) == len(now):
+                yield f"{where}: planned {_shown(planned[name])}, now absent"
+            elif name not in planned:
+                yield f"{where}: absent when planned, now {_shown(now[name])}"
+            else:
+                yield from differences(planned[name], now[name], where)
+    elif isinstance(planned, list) and isinstance(now, list) and len(planned) == len(now):
         for index, (a, b) in enumerate(zip(planned, now, strict=True)):
-            found = first_difference(a, b, f"{key}[{index}]")
-            if found:
-                return found
-        return None
+            yield from differences(a, b, f"{key}[{index}]")
     # JSON's own equality: a planned tuple read back as a list is no edit
-    if json.loads(canonical_json(planned)) == json.loads(canonical_json(now)):
-        return None
-    return f"{key or '(the whole config)'}: planned {_shown(planned)}, now {_shown(now)}"
+    elif json.loads(canonical_json(planned)) != json.loads(canonical_json(now)):
+        yield f"{key or '(the whole config)'}: planned {_shown(planned)}, now {_shown(now)}"
 
 
 def _shown(value: Any) -> str:

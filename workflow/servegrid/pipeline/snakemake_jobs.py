@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from servegrid import atomic, paths
-from servegrid.config import Experiment
+from servegrid.config import Experiment, plan
 from servegrid.errors import ConfigError, guarded
 from servegrid.paths import RunTables
 from servegrid.pipeline import logging_setup
@@ -38,6 +39,9 @@ def _run(smk: Any, body: Callable[[Experiment], None]) -> None:
     _setup_logging(smk)
 
     def job() -> None:
+        note = plan.edited_note(os.environ)
+        if note:
+            logging.getLogger("servegrid").warning("%s", note)
         experiment = Experiment(smk.config)
         logging.getLogger().setLevel(experiment.operations.log_level)
         logging_setup.quiet_libraries()
