@@ -57,6 +57,10 @@ rule report:
         all_cells(),
 
 
+onstart:
+    write_plan()  # what queued jobs measure, whatever the config files say by then
+
+
 onsuccess:
     stop_all_servers("pipeline finished")
     print_run_summary()

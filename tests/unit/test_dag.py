@@ -51,3 +51,14 @@ def test_invalid_config_fails_before_anything_runs_naming_the_key(workdir, demo_
     assert "concurrency" in output and "-4" in output
     assert "Building DAG" not in output or "cell" not in output.split("Building DAG")[1]
     assert not (workdir / "results").exists()  # no server, no model, nothing written
+
+
+def test_rates_plan_open_loop_cells_beside_the_closed_loop_ones(workdir, demo_raw):
+    raw = with_changes(demo_raw, **{"workloads.decode.rates": [0.5, 2]})
+    write_yaml(workdir / "rates.yaml", raw)
+    before = planned(snakemake(workdir, "report", "-n", "--configfile", "config/cpu-demo.yaml"))
+    result = snakemake(workdir, "report", "-n", "--configfile", "rates.yaml")
+    contexts = len(demo_raw["workloads"]["decode"]["contexts"])
+    assert planned(result)["cell"] == before["cell"] + 3 * 2 * contexts  # three configurations × two rates
+    assert re.search(r"results/cells/\w+/decode/ctx\d+_r0\.5\.parquet", result.stdout)
+    assert not (workdir / "results" / ".plans").exists()  # a dry run submits nothing: no plan written

@@ -148,7 +148,7 @@ def _requests(shift_s: float, n: int, seed: int) -> pd.DataFrame:
     base = rng.normal(0.100, 0.005, n)
     return pd.DataFrame(
         {
-            "configuration": "a", "mode": "decode", "context": 512, "concurrency": 1, "phase": "measured",
+            "configuration": "a", "mode": "decode", "context": 512, "concurrency": 1, "rate": 0.0, "phase": "measured",
             "valid": True, "ttft_s": base + shift_s, "tpot_s": base / 10 + shift_s / 10, "e2e_s": base * 3 + shift_s,
             "chunk_tokens_exact": True,
         }
@@ -157,7 +157,7 @@ def _requests(shift_s: float, n: int, seed: int) -> pd.DataFrame:
 
 def test_the_added_latency_is_the_shift_with_an_interval_around_it():
     direct, through = _requests(0.0, 400, 1), _requests(0.020, 400, 2)
-    check = {("a", "decode", 512, 1): {"check": {"per_chunk_usage": False, "chunks_direct": 16, "chunks_proxy": 16,
+    check = {("a", "decode", 512, 1, 0.0): {"check": {"per_chunk_usage": False, "chunks_direct": 16, "chunks_proxy": 16,
                                                  "same_text": True}, "facts": {"version": "1.106.12"}}}  # fmt: skip
     (row,) = gateway_cost.added_latency(direct, through, check).to_dict("records")
     assert row["ttft_added_p50_ci_low_s"] < row["ttft_added_p50_s"] < row["ttft_added_p50_ci_high_s"]

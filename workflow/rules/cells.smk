@@ -1,4 +1,4 @@
-"""One job per grid cell: configuration × mode × context × concurrency."""
+"""One job per grid cell: configuration × mode × context × load (sessions c<N> or rate r<requests/s>)."""
 
 
 rule cell:
@@ -7,7 +7,7 @@ rule cell:
     output:
         ensure(paths.CELL_PATTERN, non_empty=True),
     log:
-        "results/logs/cells/{configuration}/{mode}/ctx{context}_c{concurrency}.log",
+        "results/logs/cells/{configuration}/{mode}/ctx{context}_{load}.log",
     priority: cell_priority
     conda:
         "../../envs/pipeline.yaml"

@@ -13,6 +13,7 @@ from servegrid.errors import ServegridError, ServerError
 from servegrid.paths import RunTables
 from servegrid.serving.procs import ProcessRef
 from servegrid.config.schema import read_yaml
+from servegrid.config.grid import LOAD_PATTERN
 
 # A job in a Snakemake of its own (a Slurm job, hours after submission maybe) measures the config its run
 # planned, not the files as edited since: servegrid.config.plan.
@@ -73,17 +74,22 @@ def inherited_owner():
 if inherited_owner() is None:
     os.environ[servers.OWNER_ENV] = servers.owner_token(ProcessRef.of(os.getpid()))
 
-# The submitting Snakemake writes down what it planned, after validation, for the jobs it submits (exported with
-# the environment, like the owner above).
-if not (workflow.remote_exec or workflow.subprocess_exec or workflow.dryrun):
-    os.environ[plan.PLAN_ENV] = plan.write(config)
+# The submitting Snakemake passes its jobs the id of what it planned (exported with the environment, like the
+# owner above); onstart writes the plan down (write_plan), once it is a real run and not a dry one.
+if not (workflow.remote_exec or workflow.subprocess_exec):
+    os.environ[plan.PLAN_ENV] = plan.plan_id(config)
+
+
+def write_plan():
+    if not (workflow.remote_exec or workflow.subprocess_exec):
+        plan.write(config)
 
 
 wildcard_constraints:
     configuration="|".join(CONFIGURATIONS),
     mode="|".join(EXPERIMENT.modes()),
     context=r"\d+",
-    concurrency=r"\d+",
+    load=LOAD_PATTERN,
     lang="|".join(LANGUAGES),
 
 
@@ -92,7 +98,7 @@ def cell_of(wildcards):
         wildcards.configuration,
         wildcards.mode,
         int(wildcards.context),
-        int(wildcards.concurrency),
+        wildcards.load,
     )
 
 

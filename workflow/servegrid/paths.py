@@ -15,7 +15,8 @@ RESULTS = "results"
 STATE_DIR = f"{RESULTS}/.servegrid"  # runtime state of live servers: not a DAG artefact
 PLANS_DIR = f"{RESULTS}/.plans"  # the config each run planned with, read by its queued jobs (config.plan)
 
-CELL_PATTERN = RESULTS + "/cells/{configuration}/{mode}/ctx{context}_c{concurrency}.parquet"
+# {load}: c<sessions> (closed loop) or r<requests/s> (open loop): servegrid.config.grid
+CELL_PATTERN = RESULTS + "/cells/{configuration}/{mode}/ctx{context}_{load}.parquet"
 SERVER_SPEC_PATTERN = RESULTS + "/servers/{configuration}/spec.json"
 PREFLIGHT_PATTERN = RESULTS + "/servers/{configuration}/preflight.json"  # written with the spec
 SERVER_STOP_PATTERN = RESULTS + "/servers/{configuration}/stopped.json"
@@ -41,8 +42,8 @@ REPORT_DIR = f"{RESULTS}/report"
 REPORT_PATTERN = REPORT_DIR + "/servegrid-{lang}.{ext}"
 
 
-def cell(configuration: str, mode: str, context: int, concurrency: int) -> str:
-    return CELL_PATTERN.format(configuration=configuration, mode=mode, context=context, concurrency=concurrency)
+def cell(configuration: str, mode: str, context: int, load: str) -> str:
+    return CELL_PATTERN.format(configuration=configuration, mode=mode, context=context, load=load)
 
 
 def server_stop(configuration: str) -> str:

@@ -13,7 +13,7 @@ import pandas as pd
 
 from servegrid import atomic
 from servegrid.analysis import gateway_cost, slo, verdict
-from servegrid.analysis.requests_table import load_cells
+from servegrid.analysis.requests_table import closed_loop, load_cells
 from servegrid.analysis.summary_table import summarize
 from servegrid.config import Experiment
 from servegrid.paths import RunTables
@@ -83,8 +83,11 @@ def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) 
     derived = derived_all[routes == verdict_route]
     metas = [m for m in all_metas if m.get("route", "direct") == verdict_route]
     summary = summarize(derived, metas, experiment)
+    # The verdict, its crossovers and the production table compare closed-loop cells (sessions); open-loop cells
+    # (rates) are in the summary beside them.
+    closed = closed_loop(summary)
     samples = verdict.CellSamples(derived)
-    comparisons = verdict.compare(summary, samples, experiment.verdict.min_factor)
+    comparisons = verdict.compare(closed, samples, experiment.verdict.min_factor)
     rules, order = experiment.verdict, list(experiment.configurations)
     added, changes = gateway_cost.tables(experiment, derived, derived_all[routes == "proxy"], all_metas, comparisons)
     outputs = [
@@ -93,8 +96,8 @@ def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) 
         (servers(metas + refused), tables.servers),
         (comparisons, tables.comparisons),
         (verdict.classify(comparisons, rules), tables.verdict),
-        (verdict.crossovers(verdict.duels(summary, samples, order), order, rules), tables.crossovers),
-        (slo.production(summary, order, list(experiment.slo), rules.min_factor), tables.production),
+        (verdict.crossovers(verdict.duels(closed, samples, order), order, rules), tables.crossovers),
+        (slo.production(closed, order, list(experiment.slo), rules.min_factor), tables.production),
         (added, tables.gateway),
         (changes, tables.gateway_verdict),
     ]

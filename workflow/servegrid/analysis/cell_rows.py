@@ -20,6 +20,7 @@ class CellRows:
         self.positions = positions
         self._cache: dict[str, np.ndarray] = {}
         self.measured = self["phase"] == "measured"
+        self.priming = np.isin(self["phase"], ("warmup", "probe"))  # what readies the server before measuring
         self.ok = self["error_missing"]  # no error (the error column is empty)
         self.valid = self.measured & self["valid"]
         self.primary = primary.mask(self)

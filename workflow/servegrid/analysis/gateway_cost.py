@@ -120,7 +120,9 @@ def tables(
     changes = verdict_changes(pd.DataFrame(), pd.DataFrame())
     if experiment.route != "both" or proxied.empty:
         return pd.DataFrame(), changes
-    checks = {tuple(m["cell"][k] for k in CELL_KEYS): m.get("gateway") for m in metas if m.get("route") != "proxy"}
+    checks = {
+        tuple(m["cell"].get(k, 0.0) for k in CELL_KEYS): m.get("gateway") for m in metas if m.get("route") != "proxy"
+    }
     added = added_latency(direct, proxied, checks)
     proxy_metas = [m for m in metas if m.get("route") == "proxy"]
     proxy_summary = summarize(proxied, proxy_metas, experiment)

@@ -14,7 +14,9 @@ import pyarrow as pa
 from servegrid.errors import CellFileError
 from servegrid.records import cell_file
 
-CELL_KEYS = ["configuration", "mode", "context", "concurrency"]
+# rate: requests/s offered to an open-loop cell, 0.0 for a closed-loop one (whose concurrency is its sessions; 0 for
+# an open-loop cell). Cell files from before rates existed have none: closed loop.
+CELL_KEYS = ["configuration", "mode", "context", "concurrency", "rate"]
 
 
 def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
@@ -45,9 +47,18 @@ def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     # A file of an older schema lacks a newer column: it is filled with nulls.
     df = pa.concat_tables(tables, promote_options="default").to_pandas()
     counts = [t.num_rows for t in tables]
-    keys = {key: np.repeat(np.array([m["cell"][key] for m in metas], dtype=object), counts) for key in CELL_KEYS}
-    cell_keys = pd.DataFrame(keys).astype({"context": "int64", "concurrency": "int64", "configuration": "str",
-                                           "mode": "str"})  # fmt: skip
+    keys = {key: np.repeat(np.array([m["cell"].get(key, 0.0) for m in metas], dtype=object), counts)
+            for key in CELL_KEYS}  # fmt: skip
+    cell_keys = pd.DataFrame(keys).astype({"context": "int64", "concurrency": "int64", "rate": "float64",
+                                           "configuration": "str", "mode": "str"})  # fmt: skip
     df = pd.concat([cell_keys, df], axis=1)
     df["route"] = df["route"].fillna("direct") if "route" in df else "direct"  # files from before routes existed
     return df, metas + metas_by_route
+
+
+def closed_loop(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of closed-loop cells (sessions): what the figures by concurrency, the verdict and the production
+    table are drawn from. Tables from before rates existed have no rate column: all closed loop."""
+    if "rate" not in frame or frame.empty:
+        return frame
+    return frame[frame["rate"].fillna(0.0) == 0.0].reset_index(drop=True)

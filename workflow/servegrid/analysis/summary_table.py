@@ -35,7 +35,7 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     server = meta["server"]
     tokens_ok = rows["prompt_tokens_ok"] & rows["output_tokens_ok"]
     row: dict[str, Any] = {
-        **{k: cell[k] for k in CELL_KEYS},
+        **{k: cell.get(k, 0.0) for k in CELL_KEYS},
         "cell_id": cell["id"],
         "prefix_caching": conf.prefix_caching if conf else None,
         "speculative_method": (conf.speculative or {}).get("method") if conf else None,
@@ -43,8 +43,9 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
         "n_valid": n_valid,
         "n_errors": int((measured & ~rows.ok).sum()),
         "n_token_mismatch": int((measured & rows.ok & ~tokens_ok).sum()),
-        # A failed warm-up or probe: a shared prefix may never have been primed, a probe figure is missing.
-        "n_unmeasured_errors": int((~measured & ~rows.ok).sum()),
+        # A failed warm-up or probe: a shared prefix may never have been primed, a probe figure is missing. (Not an
+        # open-loop cell's ramp or drain: those are load, and the drain's last requests are cancelled on purpose.)
+        "n_unmeasured_errors": int((rows.priming & ~rows.ok).sum()),
         "duration_s": meta.get("duration_s"),
         "primary_metric": primary.metric,
         "primary_higher_is_better": primary.higher_is_better,
@@ -86,6 +87,7 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     active_s = meta.get("duration_s")
     output_tokens = rows.floats("output_tokens_reported", valid).sum()
     row["output_tps_total"] = float(output_tokens / active_s) if n_valid and active_s and active_s > 0 else None
+    row.update(load_columns(cell, meta.get("open_loop"), n_valid, active_s))
     # Every mode's own columns in every row, so the table has one schema: None where not applicable.
     row.update(dict.fromkeys(c for m in modes.registered() for c in m.summary_columns))
     if mode.summarize is not None:
@@ -172,6 +174,32 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     return row
 
 
+def load_columns(
+    cell: dict[str, Any], runs: list[dict[str, Any]] | None, n_valid: int, window_s: float | None
+) -> dict[str, Any]:
+    """The cell's load, and for an open-loop cell what its runs did (servegrid.modes.open_loop), every repeat
+    together: the rate it achieved, whether it saturated, how long its ramp and drain were."""
+    rate = float(cell.get("rate") or 0.0)
+    open_loop = rate > 0 and runs is not None
+    load = cell["id"].rsplit("_", 1)[-1]
+    columns: dict[str, Any] = {"load": load, "open_loop": open_loop, "offered_rate": rate if open_loop else None}
+    names = ("achieved_rate", "saturated", "not_sent", "peak_in_flight", "ramp_s", "drain_s", "ramp_requests",
+             "drain_requests")  # fmt: skip
+    if not open_loop or not runs:
+        return columns | dict.fromkeys(names)
+    return columns | {
+        # Measured requests answered in full, per second of the measured arrivals' span.
+        "achieved_rate": n_valid / window_s if window_s else None,
+        "saturated": any(r["saturated"] for r in runs),
+        "not_sent": sum(r["not_sent"] for r in runs),
+        "peak_in_flight": max(r["peak_in_flight"] for r in runs),
+        "ramp_s": max(r["ramp_s"] for r in runs),
+        "drain_s": max(r["drain_s"] for r in runs),
+        "ramp_requests": sum(r["ramp_requests"] for r in runs),
+        "drain_requests": sum(r["drain_requests"] for r in runs),
+    }
+
+
 def sampling_columns(meta: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     """How a cell's sampling went: why it stopped, its target, the reported interval's relative half-width
     (its wider side) and whether it reached the target (None: a fixed count, no target; docs/sampling.md)."""
@@ -238,7 +266,7 @@ def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experim
         columns["error_missing"] = df["error"].isna().to_numpy()
     for meta in metas:
         cell = meta["cell"]
-        positions = by_cell.get(tuple(cell[key] for key in CELL_KEYS), np.empty(0, dtype=np.intp))
+        positions = by_cell.get(tuple(cell.get(key, 0.0) for key in CELL_KEYS), np.empty(0, dtype=np.intp))
         cell_rows = CellRows(columns, positions, modes.get(cell["mode"]).primary)
         rows.append(_cell_summary(cell_rows, meta, experiment))
     summary = pd.DataFrame(rows)

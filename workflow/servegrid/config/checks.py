@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from servegrid import engines, redact
+from servegrid import engines, modes, redact
 from servegrid.config.sections import (
     Configuration,
     EngineSection,
@@ -53,6 +53,7 @@ def check(experiment: Experiment) -> None:
             tiny_model=_tiny_model_weights(experiment),
         )
         _no_secret_values(experiment)
+        _loads(experiment)
         _context_limits(experiment)
         if experiment.model.tiny is not None:
             check_replaceable(experiment.model.path)  # before Snakemake could delete a real model's folder
@@ -95,6 +96,20 @@ def _context_limits(experiment: Experiment) -> None:
                         f"more than the {limit} that configuration '{name}' allows "
                         f"(its context limit in engine.args or configurations.{name}.args)"
                     )
+
+
+def _loads(experiment: Experiment) -> None:
+    """Each mode has sessions or rates to measure; rates only where the mode runs open loop."""
+    for mode, workload in experiment.workloads.items():
+        if not workload.concurrency and not workload.rates:
+            raise ConfigError(f"workloads.{mode}: neither concurrency nor rates: the mode has no cell to measure")
+        if not workload.rates:
+            continue
+        if not modes.get(mode).open_loop:
+            open_modes = ", ".join(m for m in modes.names() if modes.get(m).open_loop)
+            raise ConfigError(
+                f"workloads.{mode}.rates: {mode} runs closed-loop sessions only (open loop: {open_modes})"
+            )
 
 
 def _languages_covered(experiment: Experiment) -> None:

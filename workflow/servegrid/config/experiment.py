@@ -21,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from servegrid import engines, modes, paths, redact
+from servegrid import engines, modes, redact
 from servegrid.config.checks import check
+from servegrid.config.grid import Cell, parse_load
 from servegrid.config.schema import read_yaml, validate
 from servegrid.config.sections import (
     ClassRule,
@@ -57,25 +58,10 @@ __all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Va
 MEASUREMENT_VERSION = 5  # 5: the measured phase in stages (sequential sampling); 4: /metrics parsed afterwards
 
 # Keys of a workload section that place it in the grid rather than shape what a cell measures.
-GRID_KEYS = ("enabled", "contexts", "concurrency")
-
-
-@dataclass(frozen=True, order=True)
-class Cell:
-    """One grid point: configuration × workload mode × context × concurrency."""
-
-    configuration: str
-    mode: str
-    context: int
-    concurrency: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.configuration}/{self.mode}/ctx{self.context}_c{self.concurrency}"
-
-    @property
-    def path(self) -> str:
-        return paths.cell(self.configuration, self.mode, self.context, self.concurrency)
+GRID_KEYS = ("enabled", "contexts", "concurrency", "rates")
+# Keys that shape open-loop cells only: part of those cells' settings, never of a closed-loop cell's (adding rates to
+# a mode reruns none of its closed-loop cells).
+OPEN_LOOP_KEYS = ("arrival", "open_loop")
 
 
 class Experiment:
@@ -103,12 +89,14 @@ class Experiment:
                 mode=mode,
                 contexts=tuple(written["contexts"]),
                 concurrency=tuple(written["concurrency"]),
+                rates=tuple(float(r) for r in written["rates"]),
+                open_loop={k: written[k] for k in OPEN_LOOP_KEYS},
                 # A mode's sampling keys are resolved into sampling_rules; a sequential cell has no fixed
                 # count or time limit, so those defaults are not part of what it measures.
                 settings={
                     k: v
                     for k, v in written.items()
-                    if k not in (*GRID_KEYS, "sampling")
+                    if k not in (*GRID_KEYS, *OPEN_LOOP_KEYS, "sampling")
                     and not (self.sampling_rules[mode] and k in ("requests_per_session", "duration_s"))
                 },
             )
@@ -158,16 +146,20 @@ class Experiment:
 
     def cells(self, configuration: str | None = None) -> list[Cell]:
         names = [configuration] if configuration else list(self.configurations)
+        # Closed-loop cells first, then open-loop ones: each in the order the config lists its loads.
+        loads = {m: [(c, 0.0) for c in w.concurrency] + [(0, r) for r in w.rates] for m, w in self.workloads.items()}
         return [
-            Cell(name, w.mode, context, concurrency)
+            Cell(name, w.mode, context, concurrency, rate)
             for name in names
             for w in self.workloads.values()
             for context in w.contexts
-            for concurrency in w.concurrency
+            for concurrency, rate in loads[w.mode]
         ]
 
-    def cell(self, configuration: str, mode: str, context: int, concurrency: int) -> Cell:
-        wanted = Cell(configuration, mode, int(context), int(concurrency))
+    def cell(self, configuration: str, mode: str, context: int, load: int | str) -> Cell:
+        """The grid's cell at ``load``: sessions (an int, or ``"c4"``) or an offered rate (``"r0.5"``)."""
+        concurrency, rate = parse_load(load)
+        wanted = Cell(configuration, mode, int(context), concurrency, rate)
         # Checked in place, not against self.cells(): Snakemake asks once per cell job, and rebuilding the
         # grid each time made the DAG grow with the square of the grid (docs/scale.md).
         workload = self.workloads.get(mode)
@@ -175,7 +167,7 @@ class Experiment:
             configuration in self.configurations
             and workload is not None
             and wanted.context in workload.contexts
-            and wanted.concurrency in workload.concurrency
+            and (wanted.rate in workload.rates if wanted.open_loop else wanted.concurrency in workload.concurrency)
         ):
             raise ConfigError(f"{self.source}: cell {wanted.id} is not in the grid")
         return wanted
@@ -247,14 +239,27 @@ class Experiment:
         # Direct-only cells keep the settings they had before routes existed: adding the gateway reruns nothing
         # until a route uses it.
         routes = {} if self.route == "direct" else {"route": self.route, "gateway": self.gateway_identity()}
+        workload = self.workload(cell.mode)
+        # An open-loop cell has no sessions: its rate and how requests arrive (only its settings carry them, so a
+        # closed-loop cell's settings are what they were before rates existed).
+        load = (
+            {"concurrency": None, "rate": cell.rate, **{k: dict(workload.open_loop[k]) for k in OPEN_LOOP_KEYS}}
+            if cell.open_loop
+            else {"concurrency": cell.concurrency}
+        )
         return routes | {
             "measurement_version": MEASUREMENT_VERSION,
             "cell": cell.id,
             "mode": cell.mode,
             "context": cell.context,
-            "concurrency": cell.concurrency,
-            "workload": dict(self.workload(cell.mode).settings),
-            "sampling": {"temperature": self.temperature, "rule": rule_fields(self.sampling_rules[cell.mode])},
+            **load,
+            "workload": dict(workload.settings),
+            # An open-loop cell measures a fixed count (open_loop.requests): the sequential rule's interval assumes
+            # independent samples, and queueing makes neighbouring requests alike.
+            "sampling": {
+                "temperature": self.temperature,
+                "rule": None if cell.open_loop else rule_fields(self.sampling_rules[cell.mode]),
+            },
         }
 
     def label(self, name: str, lang: str) -> str:
@@ -311,7 +316,10 @@ class Experiment:
 
     def workload_view(self, mode: str) -> dict[str, Any]:
         w = self.workload(mode)
-        return {**w.settings, "contexts": list(w.contexts), "concurrency": list(w.concurrency)}
+        view = {**w.settings, "contexts": list(w.contexts), "concurrency": list(w.concurrency)}
+        if w.rates:  # only where there are open-loop cells: a report without them keeps its params
+            view |= {"rates": list(w.rates), **{k: dict(w.open_loop[k]) for k in OPEN_LOOP_KEYS}}
+        return view
 
     def longest_request(self, mode: str, context: int) -> int:
         """Prompt + output tokens of the longest request of a cell of ``mode`` at ``context``."""

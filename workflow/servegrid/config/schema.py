@@ -89,7 +89,7 @@ def load_schema() -> dict[str, Any]:
         workloads["properties"][mode.name] = {
             "type": "object",
             "additionalProperties": False,
-            "required": ["contexts", "concurrency"],
+            "required": ["contexts"],
             "properties": properties,
         }
     schema["properties"]["slo"]["properties"] = {name: {"$ref": "#/$defs/objectives"} for name in modes.names()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from servegrid.errors import ConfigError
@@ -75,6 +75,8 @@ class Workload:
     contexts: tuple[int, ...]
     concurrency: tuple[int, ...]
     settings: Mapping[str, Any]  # everything else: what shapes a cell's numbers (cell_settings' "workload")
+    rates: tuple[float, ...] = ()  # open-loop offered rates, requests/s (servegrid.config.grid)
+    open_loop: Mapping[str, Any] = field(default_factory=dict)  # arrival and open_loop: open-loop cells' settings
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -31,6 +30,8 @@ from servegrid.measuring.client_monitor import (
     stall_limit_s,
     warmup_stall_limit_s,
 )
+from servegrid.measuring.route import Route, route_order
+from servegrid.modes.open_loop import OpenLoop
 from servegrid.modes.prompts import PromptBuilder
 from servegrid.modes.runner import WorkloadContext
 from servegrid.modes.stages import StagePlan
@@ -53,37 +54,6 @@ def _reset_prefix_cache(engine: Engine, client: httpx.Client, url: str) -> str:
     can have left a reusable prefix; the reset also frees the blocks they occupy.
     """
     return "reset" if engine.reset_prefix_cache(client, url) else "fresh content"
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a cell's measured streams go: straight to the server, or through the gateway (servegrid.serving.gateway).
-    Control calls (tokenizer, metrics, cache resets) always go to the server itself."""
-
-    name: str  # "direct" or "proxy"
-    url: str
-    model: str  # the name the requests carry there
-    headers: Mapping[str, str] = field(default_factory=dict)
-    health_path: str = "/health"  # a cheap GET that fills the keep-alive pool
-    per_chunk_usage: bool = True  # False: the stream carries no running token count (client.decode_counted_by_chunk)
-    # The name only the launched server (or gateway) answers to, checked on every connection the cell opens
-    # (Streamer.open_connections): where it lists its names, and how to read them (its engine's, or the gateway's).
-    # None: not checked (a gateway servegrid did not start).
-    identity: str | None = None
-    names_path: str = ""
-    names: Callable[[bytes], list[str]] | None = None
-
-    def connection_check(self) -> tuple[str, str | None, Callable[[bytes], list[str]] | None]:
-        """What each new connection asks (Streamer.open_connections): the names, where there is an identity."""
-        if self.identity and self.names is not None:
-            return self.names_path, self.identity, self.names
-        return self.health_path, None, None
-
-
-def route_order(routes: Sequence[Route], repeat: int) -> list[Route]:
-    """Both routes in every repeat, their order alternating (direct first in even repeats): a drift in the
-    server's speed over the cell then weighs on both alike, not on whichever always ran second."""
-    return list(routes) if repeat % 2 == 0 else list(reversed(routes))
 
 
 # What a server lost outside a measured stream raises (a measured request's own failure is counted in its record):
@@ -122,7 +92,9 @@ async def _measure(
     headers = headers or {}
     routes = list(routes or [Route("direct", url, model, headers, engine.health_path)])
     mode = modes.get(settings["mode"])
-    concurrency = settings["concurrency"]
+    load = OpenLoop.from_settings(settings) if settings.get("rate") else None
+    # Connections the pool may hold: a session's each, or an open-loop cell's ceiling on requests in flight.
+    connections = load.max_in_flight if load else settings["concurrency"]
     timeout = httpx.Timeout(operations.request_timeout_s, connect=30.0)
     warmup_limit = warmup_stall_limit_s(operations.stall_floor_s, operations.request_timeout_s)
     all_records: list[RequestRecord] = []
@@ -140,7 +112,7 @@ async def _measure(
             client = await stack.enter_async_context(async_control_client(timeout, headers))
             sessions = {
                 r.name: await stack.enter_async_context(
-                    streaming_session(concurrency + 4, operations.request_timeout_s, dict(r.headers))
+                    streaming_session(connections + 4, operations.request_timeout_s, dict(r.headers))
                 )
                 for r in routes
             }
@@ -180,6 +152,8 @@ def _route_summary(repeats: list[dict[str, Any]], sampler: Any, monitor: ClientM
         "repeats": repeats,
         "duration_s": sum(r["duration_s"] for r in repeats),
         "sampling": repeats[-1]["sampling"] if repeats else None,
+        # An open-loop cell's runs (servegrid.modes.open_loop.OpenLoopOutcome), one per repeat; None: closed loop.
+        "open_loop": [r["open_loop"] for r in repeats] if repeats and repeats[0].get("open_loop") else None,
         # The weakest guarantee any repeat had.
         "cache_state": "reset" if all(r["cache_state"] == "reset" for r in repeats) else "fresh content",
     }
@@ -211,7 +185,9 @@ async def _measure_phase(
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """One measured phase of one repeat by one route: warm-up, stages, the server's counters around them."""
     mode = modes.get(settings["mode"])
-    concurrency = settings["concurrency"]
+    load = OpenLoop.from_settings(settings) if settings.get("rate") else None
+    # An open-loop cell has no sessions: it opens connections for the requests its rate keeps in flight.
+    concurrency = settings["concurrency"] or 1
     model = route.model
     ceiling_s = stall_ceiling_s(settings, operations.request_timeout_s)
     cache_state = _reset_prefix_cache(engine, sync_client, url)
@@ -220,6 +196,7 @@ async def _measure_phase(
         mode=settings["mode"],
         context=settings["context"],
         concurrency=concurrency,
+        open_loop=load,
         workload=settings["workload"],
         temperature=settings["sampling"]["temperature"],
         model=model,
@@ -236,7 +213,11 @@ async def _measure_phase(
     guard = StallGuard(ctx.streamer)
 
     async def begin_measurement() -> None:
+        nonlocal concurrency
         warmups = [r for r in ctx.records if r.phase == "warmup"]
+        if load is not None:  # Little's law on the warm-up's latency: the requests in flight at the offered rate
+            latency_s = max(((r.end_ns or r.sent_ns) - r.sent_ns) / 1e9 for r in warmups) if warmups else 1.0
+            concurrency = load.expected_in_flight(latency_s)
         limit = stall_limit_s(warmups, concurrency, operations.stall_floor_s, warmup_limit, ceiling_s)
         basis = "from this cell's warm-up" if limit < ceiling_s else "the cell's own budget, its ceiling"
         guard.tighten(limit, basis)
@@ -287,11 +268,17 @@ async def _measure_phase(
     after = await metrics.scrape(client, url, engine, server_model)
     for record in ctx.records:
         record.t0_ns = state["t0_ns"]
-    return ctx.records, {
-        "cache_state": cache_state,
+    outcome = ctx.open_outcome
+    if outcome is not None:
+        duration_s = outcome.window_s  # the measured arrivals' span: not the ramp, not the drain
+    else:
         # The stages' time, without the pauses between them (multi-turn builds its next
         # conversations there): what throughput and goodput are per second of.
-        "duration_s": plan.active_s if plan.stages else (t1_ns - state["t0_ns"]) / 1e9,
+        duration_s = plan.active_s if plan.stages else (t1_ns - state["t0_ns"]) / 1e9
+    return ctx.records, {
+        "cache_state": cache_state,
+        "duration_s": duration_s,
+        "open_loop": outcome.summary() if outcome is not None else None,
         "sampling": plan.summary(),
         "before": state["before"],
         "after": after,

@@ -65,6 +65,8 @@ class Mode:
     schema: Mapping[str, Any]  # JSON-schema properties of this mode's own settings (with defaults)
     defaults: Mapping[str, Any]  # defaults of the settings every mode has (output_tokens, ...)
     figures: tuple[FigureSpec, ...] = ()
+    # Whether its runner measures open-loop cells (rates) too: one request per arrival (runner.measure_completions).
+    open_loop: bool = False
     conclusion: str | None = None  # N_: the conclusion's sentence when a configuration wins this class
     summary_columns: tuple[str, ...] = ()  # extra summary columns (None for other modes' cells)
     partial: str | None = None  # an extra report template section (report/templates/modes/...)

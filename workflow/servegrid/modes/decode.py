@@ -42,6 +42,7 @@ MODE = register(
         ),
         context_title=N_("prompt of %(tokens)s tokens"),
         context_header=N_("Prompt"),
+        open_loop=True,
         schema={},
         defaults={"output_tokens": 512, "requests_per_session": 3},
         figures=(

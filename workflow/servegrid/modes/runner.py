@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from servegrid import progress
+from servegrid.modes import open_loop
+from servegrid.modes.open_loop import OpenLoop, OpenLoopOutcome
 from servegrid.records.request import RequestRecord
 
 if TYPE_CHECKING:
@@ -67,6 +69,9 @@ class WorkloadContext:
     resume_timing: MeasureHook = _no_pause
     measuring_since_ns: int | None = None  # set when the measured phase begins
     server_model: str = ""  # the server's name for control calls (tokenizer); ``model``: the gateway's, if any
+    # An open-loop cell's load (None: closed-loop sessions) and, once measured, what its run was.
+    open_loop: OpenLoop | None = None
+    open_outcome: OpenLoopOutcome | None = None
 
     def new_record(
         self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
@@ -212,7 +217,11 @@ async def run_sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitabl
 async def measure_completions(
     ctx: WorkloadContext, measure: MeasureHook, prompt_of: Callable[[list[tuple[int, int]]], Sequence[list[int]]]
 ) -> None:
-    """The measured phase of a completion mode: each unit is one prompt, sent back to back per session."""
+    """The measured phase of a completion mode: each unit is one prompt, sent back to back per session; in an
+    open-loop cell, one per arrival at its due time (servegrid.modes.open_loop)."""
+    if ctx.open_loop is not None:
+        ctx.open_outcome = await open_loop.measure(ctx, measure, prompt_of, ctx.open_loop)
+        return
 
     async def send(s: int, i: int, prompt: list[int], intended_ns: int) -> int:
         record = ctx.new_record(s, i, "measured", len(prompt))

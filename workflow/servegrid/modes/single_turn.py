@@ -45,7 +45,7 @@ def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: Pr
     prefix = settings["context"]
     per_request = cache.hit_tokens(prefix) / (prefix + settings["workload"]["suffix_tokens"])
     rounds_missing = max(cache.sightings - settings["workload"]["warmup_requests"], 0)
-    missing = min(len(measured), rounds_missing * settings["concurrency"])
+    missing = min(len(measured), rounds_missing * (settings["concurrency"] or 1))  # open loop: one at a time
     return per_request * (len(measured) - missing) / len(measured) if len(measured) else 0.0
 
 
@@ -82,6 +82,7 @@ MODE = register(
         ),
         context_title=N_("shared prefix of %(tokens)s tokens"),
         context_header=N_("Prefix"),
+        open_loop=True,
         schema={"suffix_tokens": {"type": "integer", "minimum": 1, "default": 256}},
         defaults={"output_tokens": 128, "requests_per_session": 3},
         figures=(

@@ -31,12 +31,13 @@ from typing import Any
 
 from servegrid import paths
 from servegrid.config import Cell, Experiment
+from servegrid.config.grid import LOAD_PATTERN
 from servegrid.errors import ConfigError, guarded
 from servegrid.paths import RunTables
 from servegrid.pipeline import cli_planning, logging_setup
 from servegrid.serving import procs, server
 
-CELL_RE = re.compile(r"^(?P<configuration>[^/]+)/(?P<mode>[^/]+)/ctx(?P<context>\d+)_c(?P<concurrency>\d+)$")
+CELL_RE = re.compile(rf"^(?P<configuration>[^/]+)/(?P<mode>[^/]+)/ctx(?P<context>\d+)_(?P<load>{LOAD_PATTERN})$")
 
 
 def _runtime(experiment: Experiment, name: str) -> server.Runtime:
@@ -46,8 +47,8 @@ def _runtime(experiment: Experiment, name: str) -> server.Runtime:
 def _parse_cell(experiment: Experiment, text: str) -> Cell:
     match = CELL_RE.match(text)
     if not match:
-        raise ConfigError(f"'{text}' is not a cell id (CONFIGURATION/MODE/ctxCONTEXT_cCONCURRENCY)")
-    return experiment.cell(match["configuration"], match["mode"], int(match["context"]), int(match["concurrency"]))
+        raise ConfigError(f"'{text}' is not a cell id (CONFIGURATION/MODE/ctxCONTEXT_cSESSIONS or _rRATE)")
+    return experiment.cell(match["configuration"], match["mode"], int(match["context"]), match["load"])
 
 
 def cmd_validate(experiment: Experiment, args: argparse.Namespace) -> int:

@@ -34,7 +34,10 @@ def cell_time_limit_s(experiment: Experiment, cell: Cell) -> float:
     workload, rule = settings["workload"], settings["sampling"]["rule"]
     timeout = experiment.operations.request_timeout_s
     repeats = int(workload.get("repeats", 1))
-    if rule is not None:
+    if settings.get("rate"):  # open loop: the schedule's span, then the drain (at most a request's timeout)
+        window = settings["open_loop"]
+        measuring = repeats * (float(window["ramp_s"]) + int(window["requests"]) / float(settings["rate"]) + timeout)
+    elif rule is not None:
         measuring = 1.25 * float(rule["max_duration_s"])
     elif workload.get("duration_s"):
         measuring = repeats * (float(workload["duration_s"]) + timeout)

@@ -77,7 +77,7 @@ def run_cell(smk: Any) -> None:
 
     def body(experiment: Experiment) -> None:
         wc = smk.wildcards
-        cell = experiment.cell(wc.configuration, wc.mode, int(wc.context), int(wc.concurrency))
+        cell = experiment.cell(wc.configuration, wc.mode, int(wc.context), wc.load)
         written = json.loads(Path(smk.input.spec).read_text(encoding="utf-8"))
         if written != experiment.public_launch_spec(cell.configuration):
             raise ConfigError(f"{smk.input.spec} does not match the configuration; rerun its server_spec job")

@@ -29,6 +29,7 @@ from typing import Any
 import pandas as pd
 
 from servegrid import modes
+from servegrid.analysis.requests_table import closed_loop
 from servegrid.config import Cell, Experiment, spec_hash
 from servegrid.paths import RunTables
 
@@ -173,6 +174,9 @@ def estimate(experiment: Experiment, results: Path | None = None) -> Estimate:
 
 def _cell(experiment: Experiment, cell: Cell, measured: pd.DataFrame, fast: Mapping[str, float],
           slow: Mapping[str, float], overhead: Range) -> CellEstimate:  # fmt: skip
+    if cell.open_loop:
+        return _open_loop_cell(experiment, cell, fast, slow, overhead)
+    measured = closed_loop(measured)  # an earlier run's cells by sessions: what a round of sessions costs
     fewest, most, limit = rounds(experiment, cell)
     round_time, basis = Range(unit_seconds(experiment, cell, fast), unit_seconds(experiment, cell, slow)), "assumed"
     if not measured.empty:
@@ -200,6 +204,19 @@ def _cell(experiment: Experiment, cell: Cell, measured: pd.DataFrame, fast: Mapp
     low = fewest * round_time.low
     high = min(most * round_time.high, limit + round_time.high)
     return CellEstimate(cell, Range(min(low, high), high), overhead, basis)
+
+
+def _open_loop_cell(experiment: Experiment, cell: Cell, fast: Mapping[str, float], slow: Mapping[str, float],
+                    overhead: Range) -> CellEstimate:  # fmt: skip
+    """An open-loop cell lasts as long as its schedule: the ramp, the measured arrivals at the offered rate, and the
+    last measured request's own time (one request alone at the assumed speeds: the drain, if the server keeps up)."""
+    workload = experiment.workloads[cell.mode]
+    window = workload.open_loop["open_loop"]
+    repeats = int(workload.settings.get("repeats") or 1)
+    span = float(window["ramp_s"]) + int(window["requests"]) / cell.rate
+    alone = Cell(cell.configuration, cell.mode, cell.context, 1)
+    low, high = (repeats * (span + unit_seconds(experiment, alone, speed)) for speed in (fast, slow))
+    return CellEstimate(cell, Range(low, high), overhead, "the arrival schedule")
 
 
 def text(est: Estimate, cores: int | None) -> str:

@@ -24,6 +24,7 @@ import matplotlib
 import pandas as pd
 
 from servegrid import atomic
+from servegrid.analysis.requests_table import closed_loop
 from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ReportError
 from servegrid.languages import REPORT_ROOT
@@ -150,7 +151,8 @@ def render(
 ) -> None:
     """The report in ``lang``: the HTML page to ``html_out`` and/or the PDF to ``pdf_out`` (each its own job)."""
     HTML = _pdf_engine() if pdf_out else None  # first: a host without the PDF stack fails before any work
-    read = {name: read_table(path) for name, path in tables.named(TABLES_READ).items()}
+    # The report's sections compare sessions: closed-loop cells only (open-loop cells, by rate, not shown yet).
+    read = {name: closed_loop(read_table(path)) for name, path in tables.named(TABLES_READ).items()}
     data = ReportContents(
         experiment,
         read["summary"],

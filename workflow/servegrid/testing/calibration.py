@@ -80,6 +80,9 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
     parser.add_argument("--fault", action="append", type=_fault, default=[], metavar="N=KIND",
                         help="fault: spoil generation request N (1-based; 1 is the start-up warm-up), repeatable; "
                         f"KIND: {', '.join(FAULT_KINDS)}")  # fmt: skip
+    parser.add_argument("--freeze", action="append", type=_freeze, default=[], metavar="N=SECONDS",
+                        help="fault: from generation request N on, no stream sends anything for SECONDS (the engine "
+                        "paused), then all go on; repeatable")  # fmt: skip
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefix caching off: never a cache hit")
     parser.add_argument("--prompt-tokens-offset", type=int, default=0, help="fault: misreport usage.prompt_tokens")
     parser.add_argument("--completion-tokens-offset", type=int, default=0, help="fault: misreport the output")
@@ -90,6 +93,14 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
         help="fault: answer every generation after the first (the warm-up) with this HTTP status",
     )
     return parser
+
+
+def _freeze(value: str) -> tuple[int, float]:
+    number, _, seconds = value.partition("=")
+    try:
+        return int(number), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected N=SECONDS (request number, pause)") from None
 
 
 def _fault(value: str) -> tuple[int, str]:
@@ -136,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         context_limit=args.context_limit,
         stall_from_request=args.stall_from_request,
         faults=faults,
+        freezes=dict(args.freeze),
     )
     app = CalibrationServer(script, model=names[0], aliases=names[1:], dialect=dialect, api_key=api_key).app()
     web.run_app(app, host=host.strip("[]"), port=int(port), access_log=None, print=None)

@@ -47,6 +47,7 @@ class CalibrationServer:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r} (known: {', '.join(DIALECTS)})")
         self.script = script
+        self.frozen_until_ns = 0  # Script.freezes: nothing is sent before then
         self.model = model
         self.names = [model, *(aliases or [])]  # it answers to each, as vLLM with several served names
         self.dialect = dialect
@@ -232,6 +233,8 @@ class CalibrationServer:
         self.counters.requests += 1
         stalls = bool(s.stall_from_request) and self.counters.requests >= s.stall_from_request
         fault = s.faults.get(self.counters.requests)
+        if self.counters.requests in s.freezes:
+            self.frozen_until_ns = time.monotonic_ns() + int(s.freezes[self.counters.requests] * 1e9)
         if fault == "engine-death":
             sys.stderr.write(ENGINE_DEATH_LOG)
             sys.stderr.flush()
@@ -256,7 +259,11 @@ class CalibrationServer:
                 take = min(s.chunk_tokens, n_out - produced)
                 if stalls and produced:
                     await asyncio.sleep(3600)  # an engine stuck mid-stream, its health check still 200
+                due = max(due, self.frozen_until_ns)  # a frozen engine sends nothing, then resumes
                 await _sleep_until(due)
+                if self.frozen_until_ns > due:  # frozen while this chunk waited
+                    due = self.frozen_until_ns
+                    await _sleep_until(due)
                 produced += take
                 sent = time.monotonic_ns()
                 late = max(0, sent - due)

@@ -55,6 +55,9 @@ class Script:
     # Faults of single requests: {request number (1-based, counted as stall_from_request counts them): a
     # FAULT_KINDS key}. Request 1 is the server's own start-up warm-up, then come the cell's.
     faults: dict[int, str] = field(default_factory=dict)
+    # A pause of the whole engine (a long prefill, a preemption storm, a GC pause): {request number: seconds}. From
+    # that request's arrival, no stream sends anything for that long; then each goes on where it was.
+    freezes: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = {n: kind for n, kind in self.faults.items() if kind not in FAULT_KINDS or n < 1}

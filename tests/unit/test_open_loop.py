@@ -1,0 +1,167 @@
+"""Open-loop cells (rates): the arrival schedule, the grid's names and settings, and the client against the
+calibration server: it sends on schedule while the server stalls (no coordinated omission), flags a client that
+cannot keep its schedule, and calls a rate the server cannot take saturated.
+
+The calibration server stands in for the engine: what is checked is the client's schedule, and a stall on demand
+(``--freeze N=SECONDS``) is what only a scripted server gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_cell_flags import calibration_experiment
+
+from servegrid.analysis import aggregation
+from servegrid.config import Experiment
+from servegrid.errors import ConfigError
+from servegrid.modes.arrivals import Arrival, due_offsets_s, rate_label
+from servegrid.modes.open_loop import OpenLoop
+from servegrid.paths import RunTables
+from servegrid.pipeline.cell_job import run_cell
+from servegrid.records import cell_file
+from servegrid.records.per_request import derive
+from servegrid.serving import procs
+
+
+def open_loop_experiment(rate: float, window: dict, server_args: tuple[str, ...] = (), **decode: object) -> Experiment:  # type: ignore[type-arg]
+    raw = calibration_experiment().raw
+    # The shipped limit on send lag (calibration_experiment relaxes it to 100 ms for a shared host; here it is what
+    # is judged, and what the tests assert of send times has its own, wider margin).
+    raw["validity"]["max_send_delay_s"] = 0.01
+    raw["configurations"] = {"honest": {"label": "honest", "prefix_caching": True, "args": list(server_args)}}
+    raw["workloads"] = {
+        "decode": {
+            "contexts": [32],
+            "rates": [rate],
+            "output_tokens": 8,
+            "arrival": {"pattern": "constant"},
+            "open_loop": window,
+            **decode,
+        }
+    }
+    return Experiment(raw)
+
+
+# ---- the schedule and the grid (no server) ------------------------------------------------------------------------
+
+
+def test_the_schedule_is_seeded_and_its_patterns_differ_as_documented():
+    constant = due_offsets_s(4.0, 5, Arrival("constant"), seed=1)
+    assert constant.tolist() == [0.0, 0.25, 0.5, 0.75, 1.0]
+    poisson = due_offsets_s(10.0, 20_001, Arrival("poisson"), seed=7)
+    assert (poisson == due_offsets_s(10.0, 20_001, Arrival("poisson"), seed=7)).all()  # same seed, same times
+    gaps = np.diff(poisson)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.02)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.03)  # exponential: CV 1
+    bursty = np.diff(due_offsets_s(10.0, 20_001, Arrival("gamma", burstiness=0.25), seed=7))
+    assert bursty.mean() == pytest.approx(0.1, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.05)  # gamma of shape k: CV 1/sqrt(k)
+    assert [rate_label(r) for r in (2.0, 0.5, 0.25, 12.125)] == ["2", "0.5", "0.25", "12.125"]
+    with pytest.raises(ValueError, match="burstiness"):
+        Arrival("gamma", burstiness=0)
+
+
+def test_the_schedule_covers_the_ramp_the_window_and_a_drain():
+    load = OpenLoop(rate=2.0, arrival=Arrival("constant"), requests=10, ramp_s=3.0, max_in_flight=4, seed=0)
+    offsets, ramp = load.schedule()
+    assert ramp == 6  # due at 0, 0.5, ... 2.5: before the ramp's end
+    assert len(offsets) == ramp + 10 + 4 and offsets[ramp] == 3.0
+
+
+def test_rates_name_cells_by_their_load_and_leave_closed_loop_cells_as_they_were():
+    closed = calibration_experiment()
+    raw = copy.deepcopy(closed.raw)
+    raw["workloads"]["decode"]["rates"] = [0.5, 2]
+    both = Experiment(raw)
+    decode = [c for c in both.cells("honest") if c.mode == "decode"]
+    assert [c.id for c in decode] == ["honest/decode/ctx64_c2", "honest/decode/ctx64_r0.5", "honest/decode/ctx64_r2"]
+    assert decode[1].path == "results/cells/honest/decode/ctx64_r0.5.parquet"
+    # A closed-loop cell's settings (its Snakemake params) do not change when rates are added: nothing reruns.
+    assert both.cell_settings(decode[0]) == closed.cell_settings(closed.cell("honest", "decode", 64, 2))
+    settings = both.cell_settings(both.cell("honest", "decode", 64, "r0.5"))
+    assert (settings["concurrency"], settings["rate"], settings["sampling"]["rule"]) == (None, 0.5, None)
+    assert settings["arrival"] == {"pattern": "poisson", "burstiness": 1.0}
+    assert settings["open_loop"] == {"requests": 100, "ramp_s": 5, "max_in_flight": 256}
+    with pytest.raises(ConfigError, match="ctx64_r3 is not in the grid"):
+        both.cell("honest", "decode", 64, "r3")
+
+
+def test_rates_where_a_mode_cannot_take_them_and_a_mode_without_any_load_are_refused():
+    raw = calibration_experiment().raw
+    raw["workloads"]["multi_turn"]["rates"] = [1]
+    with pytest.raises(ConfigError, match=r"workloads\.multi_turn\.rates: multi_turn runs closed-loop sessions only"):
+        Experiment(raw)
+    raw = calibration_experiment().raw
+    raw["workloads"]["decode"]["concurrency"] = []
+    with pytest.raises(ConfigError, match=r"workloads\.decode: neither concurrency nor rates"):
+        Experiment(raw)
+
+
+# ---- against the calibration server ---------------------------------------------------------------------------------
+
+
+def measure(experiment: Experiment, sandbox, tmp_path) -> tuple[pd.Series, pd.DataFrame, dict]:  # type: ignore[no-untyped-def, type-arg]
+    (cell,) = experiment.cells("honest")
+    meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    tables = RunTables.under(tmp_path / "tables")
+    aggregation.aggregate(experiment, [cell.path], tables)
+    requests = derive(cell_file.read_cell(cell.path)[0].to_pandas())
+    return pd.read_parquet(tables.summary).iloc[0], requests, meta
+
+
+@pytest.mark.exclusive  # judges send times
+def test_the_client_sends_on_schedule_while_the_server_stalls(sandbox, tmp_path):
+    """20 requests/s at exact 50 ms gaps; one second into... the server freezes for 1 s at the 8th measured request.
+    A closed loop would send nothing while it waits; here the ~20 arrivals of that second go out on time, and their
+    latency carries the stall."""
+    ramp, first_measured = 10, 3  # requests 1 and 2: the server's start-up warm-up and the cell's own
+    freeze_at = first_measured + ramp + 7
+    window = {"requests": 40, "ramp_s": 0.5, "max_in_flight": 256}
+    experiment = open_loop_experiment(20, window, ("--freeze", f"{freeze_at}=1.0"))
+    row, requests, meta = measure(experiment, sandbox, tmp_path)
+    measured = requests[requests["phase"] == "measured"].sort_values("seq")
+    assert len(measured) == 40 and measured["error"].isna().all()
+    assert (requests["phase"] == "ramp").sum() == ramp
+    # Sent on time, stall or not: no send left its due time by more than 50 ms (a closed loop: by up to a second).
+    assert measured["send_delay_s"].max() < 0.05, measured["send_delay_s"].describe()
+    # ... and the stall is in the latency of the requests that met it: from the freeze to its end, each request's
+    # first token waited until the freeze's end (within the server's own 20 ms TTFT and a little).
+    freeze_start = measured.loc[measured["seq"] == ramp + 7, "sent_s"].iloc[0]
+    caught = measured[(measured["sent_s"] >= freeze_start) & (measured["sent_s"] < freeze_start + 0.9)]
+    assert len(caught) >= 15, len(caught)
+    first_token_at = caught["sent_s"] + caught["ttft_s"]
+    assert (first_token_at >= freeze_start + 0.95).all(), caught[["sent_s", "ttft_s"]]
+    assert caught["ttft_s"].max() > 0.9
+    # The summary: the offered rate, kept; nothing saturated; the ramp and the drain said.
+    assert (row["load"], bool(row["open_loop"]), row["offered_rate"]) == ("r20", True, 20.0)
+    assert not row["saturated"] and row["not_sent"] == 0
+    assert row["achieved_rate"] == pytest.approx(20.0, rel=0.05)
+    assert row["ramp_s"] == pytest.approx(0.5) and row["ramp_requests"] == ramp
+    assert meta["duration_s"] == pytest.approx(40 / 20)  # the measured arrivals' span, not the ramp or drain
+
+
+@pytest.mark.exclusive  # judges send times
+def test_a_client_that_cannot_keep_its_schedule_is_flagged(sandbox, tmp_path):
+    """20,000 requests/s: 50 µs between sends, where starting a request costs the client about 150 µs of CPU."""
+    window = {"requests": 300, "ramp_s": 0, "max_in_flight": 1000}
+    row, _, _ = measure(open_loop_experiment(20_000, window), sandbox, tmp_path)
+    assert row["n_requests"] == 300 and not row["saturated"]
+    assert bool(row["sends_slipped"]) and not bool(row["valid"])
+    assert "sends slipped" in row["invalid_reasons"]
+
+
+def test_a_rate_beyond_the_ceiling_is_saturated_which_is_a_result(sandbox, tmp_path):
+    """200 requests/s of 265 ms each keep ~50 in flight; the client holds 4: the cell saturates at once."""
+    window = {"requests": 40, "ramp_s": 0, "max_in_flight": 4}
+    row, requests, meta = measure(open_loop_experiment(200, window, output_tokens=50), sandbox, tmp_path)
+    assert bool(row["saturated"]) and row["peak_in_flight"] == 4
+    measured = requests[requests["phase"] == "measured"]
+    assert row["not_sent"] == 40 - len(measured) > 0
+    assert measured["error"].isna().all()  # what was sent was answered: a result, not an error
+    (run,) = meta["open_loop"]
+    assert run["saturated"] and run["not_sent"] == row["not_sent"]

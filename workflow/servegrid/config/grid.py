@@ -1,0 +1,61 @@
+"""A grid point (:class:`Cell`) and its load: closed-loop sessions (``c4``) or an open-loop offered rate (``r0.5``).
+
+A closed-loop cell runs N sessions that each send their next request when the last one ends: "how fast for N
+users who wait for each other". An open-loop cell sends on a seeded arrival schedule at an offered rate whatever
+the server does (servegrid.modes.arrivals): "does it keep up with my traffic". The load is the last part of a
+cell's name, so every closed-loop cell keeps the name (and file) it had before rates existed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from servegrid import paths
+from servegrid.errors import ConfigError
+from servegrid.modes.arrivals import rate_label
+
+# What a cell file's name carries after its context (a Snakemake wildcard constraint too).
+LOAD_PATTERN = r"c\d+|r\d+(?:\.\d+)?"
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One grid point: configuration × workload mode × context × load (``concurrency`` sessions, or ``rate``)."""
+
+    configuration: str
+    mode: str
+    context: int
+    concurrency: int  # closed-loop sessions; 0 for an open-loop cell
+    rate: float = 0.0  # open loop: requests/s offered; 0.0 for a closed-loop cell
+
+    def __post_init__(self) -> None:
+        if (self.concurrency > 0) == (self.rate > 0):
+            raise ValueError(
+                f"a cell has sessions or a rate, one of them (concurrency {self.concurrency}, rate {self.rate})"
+            )
+
+    @property
+    def open_loop(self) -> bool:
+        return self.rate > 0
+
+    @property
+    def load(self) -> str:
+        return f"r{rate_label(self.rate)}" if self.open_loop else f"c{self.concurrency}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.configuration}/{self.mode}/ctx{self.context}_{self.load}"
+
+    @property
+    def path(self) -> str:
+        return paths.cell(self.configuration, self.mode, self.context, self.load)
+
+
+def parse_load(load: int | str) -> tuple[int, float]:
+    """(concurrency, rate) of a load: an int is sessions; ``"c4"`` sessions, ``"r0.5"`` a rate."""
+    if isinstance(load, int):
+        return load, 0.0
+    if not re.fullmatch(LOAD_PATTERN, load):
+        raise ConfigError(f"load {load!r}: expected c<sessions> or r<requests per second>")
+    return (int(load[1:]), 0.0) if load[0] == "c" else (0, float(load[1:]))

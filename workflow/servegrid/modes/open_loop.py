@@ -1,0 +1,190 @@
+"""The measured phase of an open-loop cell: requests go out when the arrival schedule says, whatever the server does.
+
+A closed loop waits for a reply before its session sends again, so a server that stalls is sent less and its
+stall hides (coordinated omission). Here every arrival is sent at its due time (servegrid.modes.arrivals) and
+records that time as its intended send: a send the client could not make on time shows as send lag, a server
+that fell behind as latency. Three spans of arrivals:
+
+- the **ramp** (due in the first ``ramp_s`` seconds): sent, not measured, while the server's queue fills;
+- the **measured** window: the next ``requests`` arrivals;
+- the **drain**: arrivals go on after the measured ones until those have all finished, so the last measured
+  requests meet the same load as the first; drain requests still in flight then are cancelled, never measured.
+
+The client holds at most ``max_in_flight`` requests. A ramp or measured arrival due while that many are in flight
+means the server takes less than the offered rate: the cell is **saturated**, which is a result, not an error. It
+sends no further arrival, lets the measured requests in flight finish, and says how many measured arrivals it never
+sent. The drain meeting the ceiling only ends the drain: every measured arrival went out on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from servegrid.modes.arrivals import Arrival, due_offsets_s
+from servegrid.records.request import RequestRecord
+
+
+class Sender(Protocol):
+    """What this phase uses of the cell's context (servegrid.modes.runner.WorkloadContext, which imports this
+    module: the runner chooses open or closed loop)."""
+
+    records: list[RequestRecord]
+    measuring_since_ns: int | None
+
+    def new_record(
+        self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
+    ) -> RequestRecord: ...
+
+    async def complete(self, record: RequestRecord, prompt: list[int]) -> None: ...
+
+
+RAMP, MEASURED, DRAIN = "ramp", "measured", "drain"
+CANCELLED_AT_DRAIN = "cancelled: the measured window was over (drain)"
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    """An open-loop cell's load: what its settings say (Experiment.cell_settings) and the seed of its schedule."""
+
+    rate: float
+    arrival: Arrival
+    requests: int
+    ramp_s: float
+    max_in_flight: int
+    seed: int
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> OpenLoop:
+        window = settings["open_loop"]
+        return cls(
+            rate=float(settings["rate"]),
+            arrival=Arrival(**settings["arrival"]),
+            requests=int(window["requests"]),
+            ramp_s=float(window["ramp_s"]),
+            max_in_flight=int(window["max_in_flight"]),
+            # Not the configuration: every configuration meets the same arrival times.
+            seed=int(settings["workload"]["seed"]),
+        )
+
+    def schedule(self) -> tuple[list[float], int]:
+        """Every arrival's due time (s after the start) and how many of them are the ramp's.
+
+        Enough arrivals for the ramp, the measured window and a drain as long as ``max_in_flight`` arrivals
+        (beyond that many the cell is saturated anyway)."""
+        ramp_estimate = math.ceil(self.rate * self.ramp_s * 2) + 10
+        while True:
+            offsets = due_offsets_s(self.rate, ramp_estimate + self.requests + self.max_in_flight, self.arrival,
+                                    self.seed)  # fmt: skip
+            ramp = int((offsets < self.ramp_s).sum())
+            if ramp < ramp_estimate:  # the schedule reaches past the ramp: the window and drain are whole
+                return offsets[: ramp + self.requests + self.max_in_flight].tolist(), ramp
+            ramp_estimate *= 2
+
+    def expected_in_flight(self, latency_s: float) -> int:
+        """Requests in flight at this rate if each takes ``latency_s`` (Little's law), at least 1, at most the
+        ceiling: how many connections to open before the window starts."""
+        return max(1, min(self.max_in_flight, math.ceil(self.rate * latency_s * 2)))
+
+
+@dataclass
+class OpenLoopOutcome:
+    """What the phase summary says of an open-loop run (measured_phase: the repeat's summary and duration)."""
+
+    ramp_s: float = 0.0  # from the first arrival to the first measured one
+    window_s: float = 0.0  # the measured arrivals' span, one mean gap included: what rates are per second of
+    drain_s: float = 0.0  # from the last measured arrival until every measured request had finished
+    ramp_requests: int = 0
+    drain_requests: int = 0
+    not_sent: int = 0  # measured arrivals never sent (saturated)
+    saturated: bool = False
+    peak_in_flight: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+async def measure(
+    ctx: Sender,
+    measure_hook: Callable[[], Awaitable[None]],
+    prompt_of: Callable[[list[tuple[int, int]]], Sequence[list[int]]],
+    load: OpenLoop,
+) -> OpenLoopOutcome:
+    """Send the schedule's arrivals (each one prompt from ``prompt_of``) at their due times."""
+    offsets, ramp = load.schedule()
+    window_end = ramp + load.requests
+    # Built before anything is in flight: a prompt may ask the server's tokenizer.
+    prompts = prompt_of([(0, i) for i in range(len(offsets))])
+    outcome = OpenLoopOutcome(ramp_requests=ramp)
+    measured_left = load.requests
+    measured_done = asyncio.Event()
+    in_flight: dict[asyncio.Task[None], RequestRecord] = {}
+
+    def finished(task: asyncio.Task[None]) -> None:
+        nonlocal measured_left
+        record = in_flight.pop(task)
+        if record.phase == MEASURED:
+            measured_left -= 1
+            if measured_left == 0:
+                measured_done.set()
+
+    await measure_hook()
+    start_ns = ctx.measuring_since_ns = time.monotonic_ns()
+    last_measured_due_ns = start_ns
+    for index, offset in enumerate(offsets):
+        phase = RAMP if index < ramp else MEASURED if index < window_end else DRAIN
+        due_ns = start_ns + int(offset * 1e9)
+        if phase == DRAIN and measured_done.is_set():
+            break
+        wait_s = (due_ns - time.monotonic_ns()) / 1e9
+        if wait_s > 0:
+            if phase == DRAIN:  # the drain ends when the window's last request does, not at the next arrival
+                try:
+                    await asyncio.wait_for(measured_done.wait(), wait_s)
+                    break
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(wait_s)
+        else:  # behind the schedule: let the requests already due start before adding another
+            await asyncio.sleep(0)
+        if len(in_flight) >= load.max_in_flight and phase == DRAIN:  # every measured arrival went out: no more load
+            break
+        if len(in_flight) >= load.max_in_flight:
+            outcome.saturated = True
+            outcome.not_sent = max(0, window_end - index)
+            if outcome.not_sent:
+                measured_left -= outcome.not_sent
+                if measured_left <= 0:
+                    measured_done.set()
+            break
+        prompt = prompts[index]
+        record = ctx.new_record(0, index, phase, len(prompt))
+        record.intended_send_ns = due_ns
+        if phase == MEASURED:
+            last_measured_due_ns = due_ns
+        task = asyncio.create_task(ctx.complete(record, prompt))
+        in_flight[task] = record
+        task.add_done_callback(finished)
+        outcome.peak_in_flight = max(outcome.peak_in_flight, len(in_flight))
+        outcome.drain_requests += phase == DRAIN
+    if measured_left > 0:
+        await measured_done.wait()
+    drained_ns = time.monotonic_ns()
+    for task, record in list(in_flight.items()):  # ramp or drain requests: never measured
+        if not task.done():
+            task.cancel()
+            record.error = record.error or CANCELLED_AT_DRAIN
+    await asyncio.gather(*in_flight, return_exceptions=True)
+    for record in ctx.records:
+        if record.error == CANCELLED_AT_DRAIN and record.end_ns is None:
+            record.end_ns = drained_ns
+    first_measured_s = offsets[ramp] if ramp < len(offsets) else 0.0
+    outcome.ramp_s = first_measured_s
+    outcome.window_s = (last_measured_due_ns - start_ns) / 1e9 - first_measured_s + 1.0 / load.rate
+    outcome.drain_s = max(0.0, (drained_ns - last_measured_due_ns) / 1e9)
+    return outcome
