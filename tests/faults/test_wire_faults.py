@@ -79,8 +79,11 @@ def next_run_is_clean(sandbox: server.Runtime, tmp_path: Path) -> None:
     table, row = measure(sandbox)
     assert table["error"].isna().all(), table["error"].dropna().tolist()
     assert (table["phase"] == "measured").sum() == MEASURED
-    assert row["n_errors"] == 0 and row["n_unmeasured_errors"] == 0
-    assert bool(row["valid"]), row["invalid_reasons"]
+    assert row["n_errors"] == 0 and row["n_unmeasured_errors"] == 0 and row["n_token_mismatch"] == 0
+    # Valid as far as the server goes. Not the client-timing checks (sends slipped, loop lag): on 2 shared cores
+    # they flag a busy host honestly (a clean-clone CI run on 2026-12-05 saw sends p99 27.9 ms late here), and
+    # test_cell_flags judges them on their own.
+    assert not row["cache_contradiction"], row["invalid_reasons"]
     no_survivors(sandbox, tmp_path)
 
 

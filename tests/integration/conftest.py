@@ -47,7 +47,15 @@ def shared_config(model_dir: Path) -> dict[str, Any]:
         },
         "sampling": {"temperature": 0.0},
         "workloads": {
-            "decode": {"contexts": [256], "concurrency": [2], "output_tokens": 48, "requests_per_session": 2},
+            # rates: one open-loop cell (tests/integration/test_open_loop_on_vllm.py)
+            "decode": {
+                "contexts": [256],
+                "concurrency": [2],
+                "output_tokens": 48,
+                "requests_per_session": 2,
+                "rates": [4],
+                "open_loop": {"requests": 16, "ramp_s": 1, "max_in_flight": 64},
+            },
             "single_turn": {
                 "contexts": [1024],
                 "concurrency": [2],

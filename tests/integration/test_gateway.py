@@ -64,7 +64,7 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
     owner = procs.ProcessRef.of(os.getpid())
     paths = []
     for mode in ("decode", "multi_turn"):
-        (cell,) = [c for c in experiment.cells() if c.mode == mode]
+        (cell,) = [c for c in experiment.cells() if c.mode == mode and not c.open_loop]
         out = tmp_path / f"{mode}.parquet"
         meta = run_cell(experiment, cell, out, owner=owner, runtime=runtime)
         paths.append(str(out))
@@ -119,7 +119,7 @@ def test_an_existing_gateway_is_used_as_it_is(proxied, tmp_path):
                                                            "master_key_env": KEY_ENV}),
         source="existing",
     )  # fmt: skip
-    (cell,) = [c for c in existing.cells() if c.mode == "decode"]
+    (cell,) = [c for c in existing.cells() if c.mode == "decode" and not c.open_loop]
     meta = run_cell(existing, cell, tmp_path / "decode.parquet", owner=owner, runtime=runtime)
     assert meta["gateway"]["facts"]["started_by_servegrid"] is False and meta["route"] == "proxy"
     rows = cell_file.read_cell(tmp_path / "decode.parquet")[0].to_pandas()

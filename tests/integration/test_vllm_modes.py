@@ -17,7 +17,7 @@ pytestmark = pytest.mark.vllm
 
 def measure(vllm_server, mode, tmp_path):  # type: ignore[no-untyped-def]
     experiment, facts, runtime = vllm_server
-    (cell,) = [c for c in experiment.cells() if c.mode == mode]
+    (cell,) = [c for c in experiment.cells() if c.mode == mode and not c.open_loop]
     out = tmp_path / f"{mode}.parquet"
     meta = run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()), runtime=runtime)
     assert meta["server"]["session"] == facts.session  # the shared server was reused

@@ -86,7 +86,7 @@ def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) 
     # The verdict, its crossovers and the production table compare closed-loop cells (sessions); open-loop cells
     # (rates) are in the summary beside them.
     closed = closed_loop(summary)
-    samples = verdict.CellSamples(derived)
+    samples = verdict.CellSamples(closed_loop(derived))  # keyed by sessions: open-loop rows would share a key
     comparisons = verdict.compare(closed, samples, experiment.verdict.min_factor)
     rules, order = experiment.verdict, list(experiment.configurations)
     added, changes = gateway_cost.tables(experiment, derived, derived_all[routes == "proxy"], all_metas, comparisons)

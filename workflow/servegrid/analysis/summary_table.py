@@ -16,12 +16,13 @@ import pandas as pd
 from servegrid import modes
 from servegrid.analysis import slo
 from servegrid.analysis.cell_rows import HOOK_COLUMNS, CellRows
+from servegrid.analysis.load_columns import load_columns
 from servegrid.analysis.requests_table import CELL_KEYS
 from servegrid.config import Experiment, Validity
 from servegrid.engines import metrics
 from servegrid.engines.base import PrefixCache
 from servegrid.records.per_request import PER_REQUEST, per_token_itl
-from servegrid.stats import intervals, sampling
+from servegrid.stats import correlated, intervals, sampling
 
 
 def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experiment) -> dict[str, Any]:
@@ -55,7 +56,14 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     row["primary_n"] = int(np.count_nonzero(~np.isnan(values)))  # the samples, as sequential sampling counts them
     row.update(slo.cell_columns(measured_frame, experiment.slo.get(cell["mode"], ()), meta.get("duration_s")))
     row["primary_p50"] = intervals.percentiles(values)["p50"]
-    row["primary_ci_low"], row["primary_ci_high"] = intervals.median_interval(values)
+    # An open-loop cell's requests queue behind each other, so neighbours are alike: its medians' intervals are
+    # batch medians over the requests in arrival order (servegrid.stats.correlated), not the independent-sample one.
+    open_loop = bool(cell.get("rate"))
+    median_interval = correlated.batch_median_interval if open_loop else intervals.median_interval
+    row["primary_ci_low"], row["primary_ci_high"] = median_interval(values)
+    n_effective = correlated.effective_samples(values) if open_loop else None
+    row["primary_n_effective"] = n_effective
+    row["primary_correlated"] = None if n_effective is None else n_effective < correlated.CORRELATED_BELOW
     row.update(sampling_columns(meta, row))
     repeats = rows["repeat"][rows.primary]
     by_repeat = [  # a diagnostic of drift between repeats: from any number of samples
@@ -70,7 +78,7 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
         for name, value in intervals.percentiles(values).items():
             row[f"{column}_{name}"] = value
         if column in ("ttft_s", "tpot_s", "e2e_s", "decode_tps"):
-            row[f"{column}_p50_ci_low"], row[f"{column}_p50_ci_high"] = intervals.median_interval(values)
+            row[f"{column}_p50_ci_low"], row[f"{column}_p50_ci_high"] = median_interval(values)
     times, tokens = rows["chunk_times_s"][valid], rows["chunk_tokens"][valid]
     itl = [per_token_itl(t, k) for t, k in zip(times, tokens, strict=True)]
     gaps = [np.diff(np.asarray(t, dtype=float)) for t in times if len(t) > 1]
@@ -87,7 +95,7 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     active_s = meta.get("duration_s")
     output_tokens = rows.floats("output_tokens_reported", valid).sum()
     row["output_tps_total"] = float(output_tokens / active_s) if n_valid and active_s and active_s > 0 else None
-    row.update(load_columns(cell, meta.get("open_loop"), n_valid, active_s))
+    row.update(load_columns(cell, meta.get("open_loop"), n_valid, active_s, meta["settings"].get("arrival")))
     # Every mode's own columns in every row, so the table has one schema: None where not applicable.
     row.update(dict.fromkeys(c for m in modes.registered() for c in m.summary_columns))
     if mode.summarize is not None:
@@ -172,32 +180,6 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     row["invalid_reasons"] = "; ".join(reasons)
     row["valid"] = not reasons
     return row
-
-
-def load_columns(
-    cell: dict[str, Any], runs: list[dict[str, Any]] | None, n_valid: int, window_s: float | None
-) -> dict[str, Any]:
-    """The cell's load, and for an open-loop cell what its runs did (servegrid.modes.open_loop), every repeat
-    together: the rate it achieved, whether it saturated, how long its ramp and drain were."""
-    rate = float(cell.get("rate") or 0.0)
-    open_loop = rate > 0 and runs is not None
-    load = cell["id"].rsplit("_", 1)[-1]
-    columns: dict[str, Any] = {"load": load, "open_loop": open_loop, "offered_rate": rate if open_loop else None}
-    names = ("achieved_rate", "saturated", "not_sent", "peak_in_flight", "ramp_s", "drain_s", "ramp_requests",
-             "drain_requests")  # fmt: skip
-    if not open_loop or not runs:
-        return columns | dict.fromkeys(names)
-    return columns | {
-        # Measured requests answered in full, per second of the measured arrivals' span.
-        "achieved_rate": n_valid / window_s if window_s else None,
-        "saturated": any(r["saturated"] for r in runs),
-        "not_sent": sum(r["not_sent"] for r in runs),
-        "peak_in_flight": max(r["peak_in_flight"] for r in runs),
-        "ramp_s": max(r["ramp_s"] for r in runs),
-        "drain_s": max(r["drain_s"] for r in runs),
-        "ramp_requests": sum(r["ramp_requests"] for r in runs),
-        "drain_requests": sum(r["drain_requests"] for r in runs),
-    }
 
 
 def sampling_columns(meta: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:

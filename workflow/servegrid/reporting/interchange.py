@@ -3,7 +3,7 @@
 ``vllm bench serve --save-result`` writes one JSON object per run; ``vllm bench sweep plot`` (and
 dashboards built on the same files) reads ``summary.json`` files, each a list of such objects, found
 anywhere under its folder. servegrid writes, under ``results/exports/vllm-bench/``, one file per cell
-(``{mode}/{configuration}/ctx{context}_c{concurrency}.json``) and per mode a ``summary.json`` list of its
+(``{mode}/{configuration}/ctx{context}_{load}.json``, the cell file's name) and per mode a ``summary.json`` list of its
 cells, with upstream's field names and units:
 
 - ``completed``, ``failed``, ``duration`` (s, the cell's measured stages), ``request_throughput`` (req/s),
@@ -62,9 +62,7 @@ def bench_result(requests: pd.DataFrame, cell: dict[str, Any], model: str) -> di
         "label": cell["cell_id"],
         "model_id": model,
         "num_prompts": len(measured),
-        "request_rate": "inf",  # closed-loop sessions, as --max-concurrency with no rate
-        "burstiness": 1.0,
-        "max_concurrency": int(cell["concurrency"]),
+        **_load(cell),
         "duration": duration,
         "completed": len(ok),
         "failed": len(measured) - len(ok),
@@ -89,17 +87,30 @@ def bench_result(requests: pd.DataFrame, cell: dict[str, Any], model: str) -> di
     return result
 
 
+def _load(cell: dict[str, Any]) -> dict[str, Any]:
+    """How the cell's requests went out, in vllm bench serve's terms."""
+    rate = cell.get("offered_rate")
+    if rate is None or pd.isna(rate):  # closed-loop sessions: --max-concurrency with no rate
+        return {"request_rate": "inf", "burstiness": 1.0, "max_concurrency": int(cell["concurrency"])}
+    # Open loop: --request-rate with --burstiness (gamma shape; 1 is Poisson). A constant schedule has no
+    # burstiness in vllm bench serve (it would be an infinite shape): null, and the pattern said beside it.
+    pattern = cell.get("arrival_pattern")
+    burstiness = None if pattern == "constant" else float(cell.get("burstiness") or 1.0)
+    return {"request_rate": float(rate), "burstiness": burstiness, "max_concurrency": None,
+            "arrival_pattern": pattern}  # fmt: skip
+
+
 def write_bench_results(requests: pd.DataFrame, summary: pd.DataFrame, model: str, out_dir: Path) -> None:
     """Every cell's result and each mode's ``summary.json`` under ``out_dir``, replaced as a whole."""
-    keys = ["configuration", "mode", "context", "concurrency"]
+    keys = ["configuration", "mode", "context", "concurrency"] + (["rate"] if "rate" in requests else [])
     by_cell = {key: rows for key, rows in requests.groupby(keys, sort=False)} if len(requests) else {}
     with atomic.atomic_directory(out_dir) as tmp:
         for mode, cells in summary.groupby("mode", sort=False):
             runs = []
             for cell in cells.to_dict("records"):
-                rows = by_cell.get(tuple(cell[k] for k in keys), requests.iloc[0:0])
+                rows = by_cell.get(tuple(cell.get(k, 0.0) for k in keys), requests.iloc[0:0])
                 run = bench_result(rows, cell, model)
-                name = f"ctx{cell['context']}_c{cell['concurrency']}.json"
+                name = f"ctx{cell['context']}_{cell.get('load') or 'c' + str(cell['concurrency'])}.json"
                 path = tmp / str(mode) / str(cell["configuration"]) / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")

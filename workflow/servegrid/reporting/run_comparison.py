@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from servegrid import atomic, modes
+from servegrid.analysis.requests_table import closed_loop
 from servegrid.analysis.verdict import CellSamples
 from servegrid.errors import ConfigError
 from servegrid.reporting import terminal_summary
@@ -42,7 +43,10 @@ def _run_tables(run: Path | str) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def compare_runs(old: Path | str, new: Path | str, min_factor: float = 1.05) -> pd.DataFrame:
     """One row per cell both runs measured validly with a median (see the module docstring)."""
-    (old_summary, old_requests), (new_summary, new_requests) = _run_tables(old), _run_tables(new)
+    # Closed-loop cells: matched by sessions (open-loop cells, by rate, are not compared yet).
+    (old_summary, old_requests), (new_summary, new_requests) = (
+        tuple(closed_loop(t) for t in _run_tables(run)) for run in (old, new)
+    )
     old_samples, new_samples = CellSamples(old_requests, salt="old"), CellSamples(new_requests, salt="new")
     usable = ["valid", "primary_p50"]
     old_cells = old_summary[old_summary[usable[0]].astype(bool) & old_summary[usable[1]].notna()]

@@ -1,0 +1,42 @@
+"""A cell's load in the summary: its name's last part, and for an open-loop cell what its runs did
+(servegrid.modes.open_loop: the rate it achieved, whether it saturated, its ramp and drain)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_columns(
+    cell: dict[str, Any],
+    runs: list[dict[str, Any]] | None,
+    n_valid: int,
+    window_s: float | None,
+    arrival: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The cell's load, and for an open-loop cell what its runs did (servegrid.modes.open_loop), every repeat
+    together: the rate it achieved, whether it saturated, how long its ramp and drain were."""
+    rate = float(cell.get("rate") or 0.0)
+    open_loop = rate > 0 and runs is not None
+    load = cell["id"].rsplit("_", 1)[-1]
+    columns: dict[str, Any] = {
+        "load": load,
+        "open_loop": open_loop,
+        "offered_rate": rate if open_loop else None,
+        "arrival_pattern": (arrival or {}).get("pattern") if open_loop else None,
+        "burstiness": (arrival or {}).get("burstiness") if open_loop else None,
+    }
+    names = ("achieved_rate", "saturated", "not_sent", "peak_in_flight", "ramp_s", "drain_s", "ramp_requests",
+             "drain_requests")  # fmt: skip
+    if not open_loop or not runs:
+        return columns | dict.fromkeys(names)
+    return columns | {
+        # Measured requests answered in full, per second of the measured arrivals' span.
+        "achieved_rate": n_valid / window_s if window_s else None,
+        "saturated": any(r["saturated"] for r in runs),
+        "not_sent": sum(r["not_sent"] for r in runs),
+        "peak_in_flight": max(r["peak_in_flight"] for r in runs),
+        "ramp_s": max(r["ramp_s"] for r in runs),
+        "drain_s": max(r["drain_s"] for r in runs),
+        "ramp_requests": sum(r["ramp_requests"] for r in runs),
+        "drain_requests": sum(r["drain_requests"] for r in runs),
+    }
