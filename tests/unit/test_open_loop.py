@@ -165,3 +165,32 @@ def test_a_rate_beyond_the_ceiling_is_saturated_which_is_a_result(sandbox, tmp_p
     assert measured["error"].isna().all()  # what was sent was answered: a result, not an error
     (run,) = meta["open_loop"]
     assert run["saturated"] and run["not_sent"] == row["not_sent"]
+
+
+def test_the_report_shows_open_loop_cells_in_a_section_of_their_own_in_both_languages(sandbox, tmp_path):
+    """A closed-loop cell and an open-loop one, aggregated, drawn and printed: the verdict's sections keep to the
+    closed-loop cell; the open-loop section shows the rate's cell with its offered and achieved rate."""
+    from servegrid.reporting import document, figures
+
+    window = {"requests": 12, "ramp_s": 0.2, "max_in_flight": 64}
+    experiment = open_loop_experiment(10, window, concurrency=[2], requests_per_session=4)
+    owner = procs.ProcessRef.of(os.getpid())
+    cells = experiment.cells("honest")
+    assert [c.load for c in cells] == ["c2", "r10"]
+    for cell in cells:
+        run_cell(experiment, cell, cell.path, owner=owner, runtime=sandbox)
+    tables = RunTables.under(tmp_path / "tables")
+    summary = aggregation.aggregate(experiment, [c.path for c in cells], tables)
+    assert list(summary["load"]) == ["c2", "r10"]
+    assert len(pd.read_parquet(tables.comparisons)) == 0 or "r10" not in set(pd.read_parquet(tables.comparisons))
+    words = {"pt": ("Laço aberto", "Oferecida (req/s)"), "hu": ("Nyílt hurok", "Felkínált (kérés/s)")}
+    for lang, (heading, offered) in words.items():
+        figures_dir = tmp_path / "figures" / lang
+        figures.draw_all(experiment, tables, figures_dir, lang)
+        html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
+        document.render(experiment, lang, tables, figures_dir, str(html), str(pdf))
+        page = html.read_text(encoding="utf-8")
+        section = page.split('id="open-loop"')[1].split("</section>")[0]
+        assert heading in section and offered in section
+        assert section.count("<tr>") == 2  # the header and the one open-loop cell
+        assert pdf.stat().st_size > 10_000

@@ -253,7 +253,9 @@ def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experim
         rows.append(_cell_summary(cell_rows, meta, experiment))
     summary = pd.DataFrame(rows)
     if not summary.empty:
-        summary = summary.sort_values(CELL_KEYS, key=_grid_order(experiment)).reset_index(drop=True)
+        # The grid's order: closed-loop cells (rate 0) by sessions, then open-loop ones by rate.
+        order = ["configuration", "mode", "context", "rate", "concurrency"]
+        summary = summary.sort_values(order, key=_grid_order(experiment)).reset_index(drop=True)
     return summary
 
 

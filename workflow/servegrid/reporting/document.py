@@ -32,6 +32,7 @@ from servegrid.paths import RunTables
 from servegrid.reporting.catalogues import Formatter, load_catalog
 from servegrid.reporting.contents import ReportContents
 from servegrid.reporting.contents.gateway import gateway_view
+from servegrid.reporting.contents.open_loop import open_loop_view
 from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, figure_specs
 
 TEMPLATES = REPORT_ROOT / "templates"
@@ -151,8 +152,9 @@ def render(
 ) -> None:
     """The report in ``lang``: the HTML page to ``html_out`` and/or the PDF to ``pdf_out`` (each its own job)."""
     HTML = _pdf_engine() if pdf_out else None  # first: a host without the PDF stack fails before any work
-    # The report's sections compare sessions: closed-loop cells only (open-loop cells, by rate, not shown yet).
-    read = {name: closed_loop(read_table(path)) for name, path in tables.named(TABLES_READ).items()}
+    # The report's sections compare sessions: closed-loop cells; the open-loop ones have a section of their own.
+    everything = {name: read_table(path) for name, path in tables.named(TABLES_READ).items()}
+    read = {name: closed_loop(frame) for name, frame in everything.items()}
     data = ReportContents(
         experiment,
         read["summary"],
@@ -163,6 +165,7 @@ def render(
         production=read["production"],
     )
     data.gateway = gateway_view(experiment, read["gateway"], read["gateway_verdict"])
+    data.open_loop = open_loop_view(experiment, everything["summary"])
     prov = provenance(experiment)
     if html_out:
         atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))

@@ -21,6 +21,7 @@ from servegrid.config import Experiment, canonical_json
 from servegrid.modes.base import Mode
 from servegrid.reporting.catalogues import Formatter
 from servegrid.reporting.contents.gateway import GatewayView
+from servegrid.reporting.contents.open_loop import OpenLoopView
 from servegrid.stats import intervals
 
 
@@ -52,6 +53,7 @@ class Contents:
         self.gateway: GatewayView | None = (
             None  # the section "through the gateway" (servegrid.reporting.contents.gateway)
         )
+        self.open_loop: OpenLoopView | None = None  # the section "open loop" (servegrid.reporting.contents.open_loop)
 
     @staticmethod
     def records(frame: pd.DataFrame) -> list[dict[str, Any]]:

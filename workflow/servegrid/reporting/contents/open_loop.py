@@ -1,0 +1,69 @@
+"""The report's section "open loop": each open-loop cell (a configuration at an offered rate) with the rate it
+achieved, its latency, and how its run went (saturated, ramp and drain, correlated samples).
+
+Built from the summary's open-loop rows (servegrid.analysis.load_columns); shown when the run has any. The rate
+verdict and the figures by rate are still to come (docs/open-loop.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from servegrid import modes
+from servegrid.config import Experiment
+from servegrid.stats import intervals
+
+
+@dataclass
+class OpenLoopView:
+    """What the template's open-loop section shows."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def any_saturated(self) -> bool:
+        return any(r["saturated"] for r in self.rows)
+
+    @property
+    def any_correlated(self) -> bool:
+        return any(r["correlated"] for r in self.rows)
+
+
+def _value(row: dict[str, Any], name: str) -> float | None:
+    value = row.get(name)
+    return None if intervals.missing(value) else float(value)
+
+
+def open_loop_view(experiment: Experiment, summary: pd.DataFrame) -> OpenLoopView | None:
+    """The section's data, or None when no cell of the run was open loop."""
+    if "open_loop" not in summary or not summary["open_loop"].fillna(False).astype(bool).any():
+        return None
+    cells = summary[summary["open_loop"].fillna(False).astype(bool)].to_dict("records")
+    order = {name: i for i, name in enumerate(experiment.configurations)}
+    mode_order = {name: i for i, name in enumerate(experiment.modes())}
+    cells.sort(key=lambda r: (mode_order.get(r["mode"], 99), r["context"], r["offered_rate"],
+                              order.get(r["configuration"], 99)))  # fmt: skip
+    view = OpenLoopView()
+    for cell in cells:
+        view.rows.append(
+            {
+                "configuration": cell["configuration"],
+                "mode_title": modes.get(cell["mode"]).short_title,
+                "context": int(cell["context"]),
+                "offered": float(cell["offered_rate"]),
+                "achieved": _value(cell, "achieved_rate"),
+                "ttft_p50": _value(cell, "ttft_s_p50"),
+                "ttft_p90": _value(cell, "ttft_s_p90"),
+                "e2e_p50": _value(cell, "e2e_s_p50"),
+                "ramp_s": _value(cell, "ramp_s"),
+                "drain_s": _value(cell, "drain_s"),
+                "saturated": bool(cell.get("saturated")),
+                "not_sent": int(cell.get("not_sent") or 0),
+                "correlated": bool(cell.get("primary_correlated")),
+                "valid": bool(cell.get("valid")),
+            }
+        )
+    return view
