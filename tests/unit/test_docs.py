@@ -29,7 +29,7 @@ def test_every_column_is_documented(demo_grid, tmp_path):  # noqa: F811
     experiment, cells = demo_grid
     run_aggregate(experiment, cells, tmp_path)
     names = documented()
-    for table in ("requests", "summary", "servers", "comparisons", "verdict", "crossovers", "production"):
+    for table in ("requests", "summary", "servers", "comparisons", "verdict", "crossovers", "production", "rates"):
         columns = set(pd.read_parquet(tmp_path / f"{table}.parquet").columns)
         missing = sorted(columns - names)
         assert not missing, f"{table}: undocumented columns {missing}"

@@ -194,3 +194,45 @@ def test_the_report_shows_open_loop_cells_in_a_section_of_their_own_in_both_lang
         assert heading in section and offered in section
         assert section.count("<tr>") == 2  # the header and the one open-loop cell
         assert pdf.stat().st_size > 10_000
+
+
+def test_the_rate_verdict_names_each_configurations_sustainable_rate_and_their_ratio(sandbox, tmp_path):
+    """Two calibration servers, 5 ms and 25 ms between tokens: at 80 requests/s the slow one keeps about 40
+    requests in flight, past the client's ceiling of 16, and saturates; the fast one, about 10, does not."""
+    raw = open_loop_experiment(5, {"requests": 40, "ramp_s": 0, "max_in_flight": 16}, output_tokens=20).raw
+    raw["workloads"]["decode"]["rates"] = [5, 20, 80]
+    raw["validity"]["max_send_delay_s"] = 0.1  # judged here: the rates; a busy shared host's send lag is not
+    raw["configurations"] = {
+        "fast": {"label": "fast", "prefix_caching": True, "args": ["--interval", "0.005"]},
+        "slow": {"label": "slow", "prefix_caching": True, "args": ["--interval", "0.025"]},
+    }
+    experiment = Experiment(raw)
+    owner = procs.ProcessRef.of(os.getpid())
+    for cell in experiment.cells():
+        run_cell(experiment, cell, cell.path, owner=owner, runtime=sandbox)
+    tables = RunTables.under(tmp_path / "tables")
+    aggregation.aggregate(experiment, [c.path for c in experiment.cells()], tables)
+    rates = pd.read_parquet(tables.rates).set_index("configuration")
+    assert rates.loc["fast", "sustainable_rate"] == 80 and pd.isna(rates.loc["fast", "capacity_below"])
+    assert rates.loc["slow", "sustainable_rate"] == 20 and rates.loc["slow", "capacity_below"] == 80
+    assert rates.loc["slow", "stopped_by"] == "saturated"
+    assert bool(rates.loc["fast", "winner"]) and not bool(rates.loc["slow", "winner"])
+    # slow over fast (the first configuration): a quarter, and every resample agrees
+    assert rates.loc["slow", "ratio_to_baseline"] == 0.25
+    assert rates.loc["slow", "ratio_ci_low"] == rates.loc["slow", "ratio_ci_high"] == 0.25
+
+
+def test_a_rate_is_not_sustained_below_its_goodput_share_or_against_its_objectives():
+    from servegrid.analysis.rate_verdict import cell_sustains
+
+    base = {"valid": True, "saturated": False, "slo_met": True, "slo_attainment": 0.95, "goodput_rps": 9.5,
+            "offered_rate": 10.0}  # fmt: skip
+    assert cell_sustains(base, 0.9) == (True, None)
+    assert cell_sustains({**base, "goodput_rps": 8.5}, 0.9) == (False, "goodput")
+    assert cell_sustains({**base, "slo_met": False}, 0.9) == (False, "objectives")
+    assert cell_sustains({**base, "slo_met": None}, 0.9) == (False, "too_few")
+    assert cell_sustains({**base, "saturated": True}, 0.9) == (False, "saturated")
+    assert cell_sustains({**base, "valid": False}, 0.9) == (False, "invalid")
+    # without objectives: every answered request counts, at the rate achieved
+    bare = {**base, "slo_met": None, "slo_attainment": None, "goodput_rps": None, "achieved_rate": 9.9}
+    assert cell_sustains(bare, 0.9) == (True, None)

@@ -31,6 +31,7 @@ CROSSOVERS_TABLE = f"{RESULTS}/tables/crossovers.parquet"
 PRODUCTION_TABLE = f"{RESULTS}/tables/production.parquet"
 GATEWAY_TABLE = f"{RESULTS}/tables/gateway.parquet"  # the gateway's added latency (route: both)
 GATEWAY_VERDICT_TABLE = f"{RESULTS}/tables/gateway_verdict.parquet"  # the verdict through it, beside the direct one
+RATES_TABLE = f"{RESULTS}/tables/rates.parquet"  # open loop: each configuration's sustainable rate
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
 REQUESTS_CSV = f"{RESULTS}/tables/requests.csv"
 BENCH_EXPORT_DIR = (
@@ -75,6 +76,7 @@ class RunTables:
     production: str = PRODUCTION_TABLE
     gateway: str = GATEWAY_TABLE
     gateway_verdict: str = GATEWAY_VERDICT_TABLE
+    rates: str = RATES_TABLE
 
     @classmethod
     def under(cls, folder: str | Path) -> RunTables:

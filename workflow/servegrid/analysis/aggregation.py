@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from servegrid import atomic
-from servegrid.analysis import gateway_cost, slo, verdict
+from servegrid.analysis import gateway_cost, rate_verdict, slo, verdict
 from servegrid.analysis.requests_table import closed_loop, load_cells
 from servegrid.analysis.summary_table import summarize
 from servegrid.config import Experiment
@@ -100,6 +100,10 @@ def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) 
         (slo.production(closed, order, list(experiment.slo), rules.min_factor), tables.production),
         (added, tables.gateway),
         (changes, tables.gateway_verdict),
+        (
+            rate_verdict.rate_table(summary, derived, order, experiment.slo, rules.goodput_share, rules.min_factor),
+            tables.rates,
+        ),
     ]
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:

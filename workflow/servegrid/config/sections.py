@@ -155,6 +155,7 @@ class VerdictRules:
     classes: tuple[ClassRule, ...]
     min_factor: float = 1.05
     range_style_ratio: float = 3.0
+    goodput_share: float = 0.9  # open loop: the goodput, as a share of the offered rate, that sustains it
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any]) -> VerdictRules:
@@ -162,6 +163,7 @@ class VerdictRules:
             classes=tuple(ClassRule(**c) for c in section["classes"]),
             min_factor=section["min_factor"],
             range_style_ratio=section["range_style_ratio"],
+            goodput_share=section["goodput_share"],
         )
 
 
