@@ -160,6 +160,8 @@ def test_a_rate_beyond_the_ceiling_is_saturated_which_is_a_result(sandbox, tmp_p
     window = {"requests": 40, "ramp_s": 0, "max_in_flight": 4}
     row, requests, meta = measure(open_loop_experiment(200, window, output_tokens=50), sandbox, tmp_path)
     assert bool(row["saturated"]) and row["peak_in_flight"] == 4
+    # What the server delivered (4 at a time, 265 ms each: about 15 a second), not the 200 offered.
+    assert row["achieved_rate"] < 0.5 * 200
     measured = requests[requests["phase"] == "measured"]
     assert row["not_sent"] == 40 - len(measured) > 0
     assert measured["error"].isna().all()  # what was sent was answered: a result, not an error
@@ -192,7 +194,8 @@ def test_the_report_shows_open_loop_cells_in_a_section_of_their_own_in_both_lang
         page = html.read_text(encoding="utf-8")
         section = page.split('id="open-loop"')[1].split("</section>")[0]
         assert heading in section and offered in section
-        assert section.count("<tr>") == 2  # the header and the one open-loop cell
+        cells_table = section.split('class="grid open-loop"')[1].split("</table>")[0]
+        assert cells_table.count("<tr>") == 2  # the header and the one open-loop cell
         assert pdf.stat().st_size > 10_000
 
 
@@ -220,6 +223,20 @@ def test_the_rate_verdict_names_each_configurations_sustainable_rate_and_their_r
     # slow over fast (the first configuration): a quarter, and every resample agrees
     assert rates.loc["slow", "ratio_to_baseline"] == 0.25
     assert rates.loc["slow", "ratio_ci_low"] == rates.loc["slow", "ratio_ci_high"] == 0.25
+    # ... and the report says so, in both languages.
+    from servegrid.reporting import document, figures
+
+    for lang, (sustains, saturated) in {
+        "pt": ("Sustenta (req/s)", "saturação"),
+        "hu": ("Tartja (kérés/s)", "telítődés"),
+    }.items():
+        figures_dir = tmp_path / "figures" / lang
+        figures.draw_all(experiment, tables, figures_dir, lang)
+        html = tmp_path / f"r-{lang}.html"
+        document.render(experiment, lang, tables, figures_dir, str(html))
+        verdict = html.read_text(encoding="utf-8").split('class="grid rates"')[1].split("</table>")[0]
+        assert sustains in verdict and saturated in verdict
+        assert verdict.count("<tr") == 3 and verdict.count("✓") == 1  # the header, fast (✓), slow
 
 
 def test_a_rate_is_not_sustained_below_its_goodput_share_or_against_its_objectives():

@@ -63,7 +63,9 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     row["primary_ci_low"], row["primary_ci_high"] = median_interval(values)
     n_effective = correlated.effective_samples(values) if open_loop else None
     row["primary_n_effective"] = n_effective
-    row["primary_correlated"] = None if n_effective is None else n_effective < correlated.CORRELATED_BELOW
+    row["primary_correlated"] = (
+        None if n_effective is None else correlated.strongly_correlated(row["primary_n"], n_effective)
+    )
     row.update(sampling_columns(meta, row))
     repeats = rows["repeat"][rows.primary]
     by_repeat = [  # a diagnostic of drift between repeats: from any number of samples

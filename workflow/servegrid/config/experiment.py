@@ -308,6 +308,7 @@ class Experiment:
             "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
             "sampling": {mode: rule_fields(self.sampling_rules[mode]) for mode in self.workloads},  # the rules shown
             "min_factor": self.verdict.min_factor,
+            "goodput_share": self.verdict.goodput_share,  # the open-loop section says it
             "client_cpus": list(self.operations.client_cpus),
             # The section "through the gateway": its topology and the gateway's settings (no key).
             "route": self.route,

@@ -186,5 +186,9 @@ async def measure(
     first_measured_s = offsets[ramp] if ramp < len(offsets) else 0.0
     outcome.ramp_s = first_measured_s
     outcome.window_s = (last_measured_due_ns - start_ns) / 1e9 - first_measured_s + 1.0 / load.rate
+    if outcome.saturated:  # what the server delivered: from the first measured arrival to the last measured answer
+        ends = [r.end_ns for r in ctx.records if r.phase == MEASURED and r.end_ns]
+        if ends:
+            outcome.window_s = max(outcome.window_s, (max(ends) - start_ns) / 1e9 - first_measured_s)
     outcome.drain_s = max(0.0, (drained_ns - last_measured_due_ns) / 1e9)
     return outcome

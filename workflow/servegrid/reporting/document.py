@@ -139,7 +139,8 @@ def render_html(
 
 
 # The tables the report shows: the report rules declare these as their inputs (with the figures and templates).
-TABLES_READ = ("summary", "comparisons", "servers", "verdict", "crossovers", "production", "gateway", "gateway_verdict")
+TABLES_READ = ("summary", "comparisons", "servers", "verdict", "crossovers", "production", "gateway", "gateway_verdict",
+               "rates")  # fmt: skip
 
 
 def render(
@@ -165,7 +166,7 @@ def render(
         production=read["production"],
     )
     data.gateway = gateway_view(experiment, read["gateway"], read["gateway_verdict"])
-    data.open_loop = open_loop_view(experiment, everything["summary"])
+    data.open_loop = open_loop_view(experiment, everything["summary"], everything["rates"])
     prov = provenance(experiment)
     if html_out:
         atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))

@@ -22,8 +22,16 @@ from scipy import stats
 CONFIDENCE = 0.95
 BATCHES = 5  # the best of 5, 10 and 20 in the simulation: the longest batches, the least correlated with each other
 MIN_PER_BATCH = 6  # as the order-statistic interval, which needs 6 samples: none from fewer than 30
-# Fewer effective samples than this: the cell's samples are strongly correlated (its interval is likely too narrow).
-CORRELATED_BELOW = 40
+# A cell is flagged when its samples are worth less than 1 / CORRELATED_TAU of their count (queues at ρ ≥ 0.5 had
+# τ of 2 and more in the simulation; at ρ 0.3, about 1.5) and fewer than FEW_EFFECTIVE independent ones: there the
+# batch-medians interval fell short (docs/sampling.md). Either alone flags well-covered cells: many requests at a
+# moderate τ, or few requests that are not correlated at all.
+CORRELATED_TAU = 2.0
+FEW_EFFECTIVE = 40
+
+
+def strongly_correlated(n: int, n_effective: float) -> bool:
+    return n_effective * CORRELATED_TAU < n and n_effective < FEW_EFFECTIVE
 
 
 def batch_median_interval(values: Sequence[float] | np.ndarray) -> tuple[float | None, float | None]:

@@ -1,8 +1,8 @@
 """The report's section "open loop": each open-loop cell (a configuration at an offered rate) with the rate it
 achieved, its latency, and how its run went (saturated, ramp and drain, correlated samples).
 
-Built from the summary's open-loop rows (servegrid.analysis.load_columns); shown when the run has any. The rate
-verdict and the figures by rate are still to come (docs/open-loop.md).
+Built from the summary's open-loop rows (servegrid.analysis.load_columns) and the verdict in rates (rates.parquet,
+servegrid.analysis.rate_verdict); shown when the run has any. Figures by rate are still to come (docs/open-loop.md).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class OpenLoopView:
     """What the template's open-loop section shows."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
+    # The verdict in rates (rates.parquet), per mode and context: each configuration's sustainable rate.
+    rates: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def any_saturated(self) -> bool:
@@ -37,7 +39,9 @@ def _value(row: dict[str, Any], name: str) -> float | None:
     return None if intervals.missing(value) else float(value)
 
 
-def open_loop_view(experiment: Experiment, summary: pd.DataFrame) -> OpenLoopView | None:
+def open_loop_view(
+    experiment: Experiment, summary: pd.DataFrame, rates: pd.DataFrame | None = None
+) -> OpenLoopView | None:
     """The section's data, or None when no cell of the run was open loop."""
     if "open_loop" not in summary or not summary["open_loop"].fillna(False).astype(bool).any():
         return None
@@ -64,6 +68,21 @@ def open_loop_view(experiment: Experiment, summary: pd.DataFrame) -> OpenLoopVie
                 "not_sent": int(cell.get("not_sent") or 0),
                 "correlated": bool(cell.get("primary_correlated")),
                 "valid": bool(cell.get("valid")),
+            }
+        )
+    for rate in rates.to_dict("records") if rates is not None and len(rates) else []:
+        view.rates.append(
+            {
+                "configuration": rate["configuration"],
+                "mode_title": modes.get(rate["mode"]).short_title,
+                "context": int(rate["context"]),
+                "sustainable": _value(rate, "sustainable_rate"),
+                "below": _value(rate, "capacity_below"),
+                "stopped_by": None if intervals.missing(rate.get("stopped_by")) else rate["stopped_by"],
+                "ratio": _value(rate, "ratio_to_baseline"),
+                "ratio_low": _value(rate, "ratio_ci_low"),
+                "ratio_high": _value(rate, "ratio_ci_high"),
+                "winner": bool(rate.get("winner")),
             }
         )
     return view

@@ -69,6 +69,10 @@ class Contents:
         """Comma-joined configurations (a shared lead) as their labels joined by ≈; one name: its label."""
         return " ≈ ".join(self.label(n) for n in (names or "").split(",") if n)
 
+    def goodput_share(self) -> float:
+        """The share of the offered rate an open-loop cell must answer within the objectives (verdict.goodput_share)."""
+        return self.experiment.verdict.goodput_share
+
     def label(self, configuration: str | None) -> str:
         """A configuration's label in the report's language, from the config (a declared input of the
         report rule), not from the tables."""
