@@ -93,9 +93,24 @@ GATEWAY_FIGURE = FigureSpec(
 )
 
 
+# Drawn when a mode has open-loop cells (rates:).
+RATE_FIGURE = FigureSpec(
+    "latency_by_rate",
+    "latency_by_rate",
+    N_("Latency and goodput against the offered rate"),
+    N_(
+        "Open-loop cells: per workload and context, the TTFT (p50 solid, p90 dashed; top) and the requests per second "
+        "answered within the objectives (without objectives: answered in full; bottom) against the offered rate, one "
+        "line per configuration; the dotted line is the offered rate itself. A ring marks a saturated cell (the "
+        "client's ceiling on requests in flight was reached), a cross an invalid one."
+    ),
+)
+
+
 def run_figures(experiment: Experiment) -> tuple[FigureSpec, ...]:
     gateway = (GATEWAY_FIGURE,) if experiment.route == "both" else ()
-    return RUN_FIGURES + ((GOODPUT_FIGURE,) if experiment.slo else ()) + gateway
+    rates = (RATE_FIGURE,) if any(w.rates for w in experiment.workloads.values()) else ()
+    return RUN_FIGURES + ((GOODPUT_FIGURE,) if experiment.slo else ()) + gateway + rates
 
 
 def figure_specs(experiment: Experiment) -> list[tuple[str | None, FigureSpec]]:

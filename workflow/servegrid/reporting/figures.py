@@ -37,6 +37,7 @@ from servegrid.modes.base import FigureSpec
 from servegrid.paths import RunTables
 from servegrid.reporting.catalogues import format_number, load_catalog
 from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, TABLES_READ, figure_specs, shown_contexts
+from servegrid.reporting.rate_figures import RateFigures
 from servegrid.reporting.run_figures import RunFigures
 from servegrid.stats import intervals
 
@@ -45,12 +46,12 @@ Gettext = Callable[[str], str]
 # The kinds of figure a mode may declare (FigureSpec.kind): Painter methods taking (mode, **options);
 # and those of the whole run (servegrid.reporting.figure_files.RUN_FIGURES), taking nothing.
 MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context", "throughput_latency")
-RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency", "latency_cdfs", "gateway_added_latency")
+RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency", "latency_cdfs", "gateway_added_latency", "latency_by_rate")
 # One marker per configuration besides its colour, in config order: lines stay apart in grey print.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-class Painter(RunFigures):
+class Painter(RunFigures, RateFigures):
     """Draws the figures of one language: the modes' own here, the whole run's in :class:`RunFigures`."""
 
     def __init__(
@@ -63,8 +64,10 @@ class Painter(RunFigures):
         lang: str,
         requests: pd.DataFrame | None = None,
         gateway: pd.DataFrame | None = None,
+        open_summary: pd.DataFrame | None = None,
     ) -> None:
         self.experiment = experiment
+        self.open_summary = open_summary if open_summary is not None else pd.DataFrame()  # open-loop cells' rows
         self.gateway = gateway if gateway is not None else pd.DataFrame()
         self.summary = summary
         self.requests = requests if requests is not None else pd.DataFrame()
@@ -270,11 +273,14 @@ def draw_all(experiment: Experiment, tables: RunTables, out_dir: Path, lang: str
     """Every figure of the run in ``lang`` (PNG) into ``out_dir``; returns the files written."""
     # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
-    # Drawn by concurrency: closed-loop cells only (open-loop cells, by rate, are not drawn yet).
-    read = {name: closed_loop(pd.read_parquet(path)) for name, path in tables.named(TABLES_READ).items()}
+    # Drawn by concurrency: closed-loop cells; the open-loop ones by rate (RateFigures), from the summary's other rows.
+    everything = {name: pd.read_parquet(path) for name, path in tables.named(TABLES_READ).items()}
+    read = {name: closed_loop(frame) for name, frame in everything.items()}
+    summary = everything["summary"]
+    open_rows = summary[summary["open_loop"].fillna(False).astype(bool)] if "open_loop" in summary else summary[:0]
     painter = Painter(
         experiment, read["summary"], read["comparisons"], translations.gettext, str(locale), lang, read["requests"],
-        read["gateway"],
+        read["gateway"], open_rows,
     )  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

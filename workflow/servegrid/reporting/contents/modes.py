@@ -7,7 +7,14 @@ from typing import Any
 from servegrid import modes
 from servegrid.modes.base import FigureSpec
 from servegrid.reporting.contents.shared import Contents
-from servegrid.reporting.figure_files import GATEWAY_FIGURE, GOODPUT_FIGURE, PANEL_KINDS, run_figures, shown_contexts
+from servegrid.reporting.figure_files import (
+    GATEWAY_FIGURE,
+    GOODPUT_FIGURE,
+    PANEL_KINDS,
+    RATE_FIGURE,
+    run_figures,
+    shown_contexts,
+)
 
 
 class ModeContents(Contents):
@@ -24,7 +31,7 @@ class ModeContents(Contents):
 
     def grid_figures(self) -> tuple[FigureSpec, ...]:
         """The run's figures shown across the grid: every run figure but goodput (the production section's)."""
-        shown_elsewhere = (GOODPUT_FIGURE, GATEWAY_FIGURE)  # the production section's, the gateway section's
+        shown_elsewhere = (GOODPUT_FIGURE, GATEWAY_FIGURE, RATE_FIGURE)  # production, gateway, open-loop sections
         return tuple(spec for spec in run_figures(self.experiment) if spec not in shown_elsewhere)
 
     def panels_shown(self, mode: str, spec: FigureSpec) -> dict[str, str] | None:
@@ -42,3 +49,7 @@ class ModeContents(Contents):
     def gateway_figure(self) -> FigureSpec:
         """The figure of the section "through the gateway" (report/templates/gateway.html.j2)."""
         return GATEWAY_FIGURE
+
+    def rate_figure(self) -> FigureSpec:
+        """The figure of the section "open loop" (report/templates/open_loop.html.j2)."""
+        return RATE_FIGURE
