@@ -253,3 +253,24 @@ def test_a_rate_is_not_sustained_below_its_goodput_share_or_against_its_objectiv
     # without objectives: every answered request counts, at the rate achieved
     bare = {**base, "slo_met": None, "slo_attainment": None, "goodput_rps": None, "achieved_rate": 9.9}
     assert cell_sustains(bare, 0.9) == (True, None)
+
+
+def test_compare_matches_open_loop_cells_by_rate_and_judges_them_by_their_own_intervals(sandbox, tmp_path):
+    """The same open-loop cell in two runs, the server's tokens twice as far apart in the second: decode speed
+    halves, well outside both runs' batch-medians intervals."""
+    from servegrid.reporting import run_comparison
+
+    window = {"requests": 60, "ramp_s": 0.2, "max_in_flight": 64}
+    for run, interval in (("old", "0.004"), ("new", "0.008")):
+        experiment = open_loop_experiment(20, window, ("--interval", interval), output_tokens=16)
+        (cell,) = experiment.cells("honest")
+        run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+        aggregation.aggregate(experiment, [cell.path], RunTables.under(tmp_path / run / "tables"))
+    (row,) = run_comparison.compare_runs(tmp_path / "old", tmp_path / "new").to_dict("records")
+    assert (row["cell"], row["rate"], row["metric"]) == ("honest/decode/ctx32_r20", 20.0, "decode_tps")
+    assert row["ratio"] == pytest.approx(0.5, rel=0.1)
+    assert row["moved"] and row["direction"] == "worse"
+    assert row["ratio_ci_low"] is None and row["ratio_ci_high"] is None  # no independent-sample resampling
+    assert "honest/decode/ctx32_r20" in run_comparison.text(
+        run_comparison.compare_runs(tmp_path / "old", tmp_path / "new"), "old", "new"
+    )

@@ -8,6 +8,11 @@ verdict's method, servegrid.analysis.verdict.CellSamples). A cell *moved* when t
 is at least ``min_factor`` away from it (verdict.min_factor: a 1% shift that a long run resolves is not news);
 it moved for the *better* or the *worse* by its mode's direction (decode speed up is better, TTFT down is).
 A cell whose server launch changed between the runs (its spec hash) is marked so: that is where to look first.
+
+Open-loop cells (``ctx<context>_r<rate>``) are matched by their rate. Their requests queue behind each other, so
+resampling them as independent would give too narrow an interval: such a cell moved when the two runs' batch-medians
+intervals of its median (the summary's, servegrid.stats.correlated) do not overlap and the ratio is at least
+``min_factor`` away from 1; it has no interval of the ratio.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from servegrid import atomic, modes
 from servegrid.analysis.requests_table import closed_loop
 from servegrid.analysis.verdict import CellSamples
 from servegrid.errors import ConfigError
+from servegrid.modes.arrivals import rate_label
 from servegrid.reporting import terminal_summary
 from servegrid.stats import intervals
 
-KEYS = ["configuration", "mode", "context", "concurrency"]
-COLUMNS = [*KEYS, "metric", "old_p50", "new_p50", "old_n", "new_n", "ratio", "ratio_ci_low", "ratio_ci_high",
+KEYS = ["configuration", "mode", "context", "concurrency", "rate"]  # rate 0: a closed-loop cell
+COLUMNS = [*KEYS, "cell", "metric", "old_p50", "new_p50", "old_n", "new_n", "ratio", "ratio_ci_low", "ratio_ci_high",
            "moved", "direction", "spec_changed"]  # fmt: skip
 
 
@@ -43,25 +49,32 @@ def _run_tables(run: Path | str) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def compare_runs(old: Path | str, new: Path | str, min_factor: float = 1.05) -> pd.DataFrame:
     """One row per cell both runs measured validly with a median (see the module docstring)."""
-    # Closed-loop cells: matched by sessions (open-loop cells, by rate, are not compared yet).
-    (old_summary, old_requests), (new_summary, new_requests) = (
-        tuple(closed_loop(t) for t in _run_tables(run)) for run in (old, new)
-    )
-    old_samples, new_samples = CellSamples(old_requests, salt="old"), CellSamples(new_requests, salt="new")
+    (old_summary, old_requests), (new_summary, new_requests) = _run_tables(old), _run_tables(new)
+    for frame in (old_summary, new_summary):  # tables from before rates existed: every cell closed loop
+        if "rate" not in frame:
+            frame["rate"] = 0.0
+    # Resampled as independent samples: the closed-loop cells only (CellSamples keys cells by sessions).
+    old_samples = CellSamples(closed_loop(old_requests), salt="old")
+    new_samples = CellSamples(closed_loop(new_requests), salt="new")
     usable = ["valid", "primary_p50"]
     old_cells = old_summary[old_summary[usable[0]].astype(bool) & old_summary[usable[1]].notna()]
     new_cells = new_summary[new_summary[usable[0]].astype(bool) & new_summary[usable[1]].notna()]
     both = old_cells.merge(new_cells, on=KEYS, suffixes=("_old", "_new"))
     rows: list[dict[str, Any]] = []
     for cell in both.to_dict("records"):
-        key = tuple(cell[k] for k in KEYS)
-        key = (str(key[0]), str(key[1]), int(key[2]), int(key[3]))
+        key = (str(cell["configuration"]), str(cell["mode"]), int(cell["context"]), int(cell["concurrency"]))
         ratio = cell["primary_p50_new"] / cell["primary_p50_old"]
-        low, high = new_samples.ratio_ci(key, key, old_samples)
-        moved = low is not None and (low > 1 or high < 1) and max(ratio, 1 / ratio) >= min_factor
+        if cell["rate"]:  # open loop: the two runs' own intervals, which allow for correlated samples
+            low = high = None
+            apart = _disjoint(cell, "old", "new") or _disjoint(cell, "new", "old")
+            moved = apart and max(ratio, 1 / ratio) >= min_factor
+        else:
+            low, high = new_samples.ratio_ci(key, key, old_samples)
+            moved = low is not None and (low > 1 or high < 1) and max(ratio, 1 / ratio) >= min_factor
         higher_is_better = modes.get(cell["mode"]).primary.higher_is_better
         rows.append({
             **{k: cell[k] for k in KEYS},
+            "cell": f"{cell['configuration']}/{cell['mode']}/ctx{cell['context']}_{_load(cell)}",
             "metric": cell["primary_metric_new"],
             "old_p50": cell["primary_p50_old"], "new_p50": cell["primary_p50_new"],
             "old_n": cell["primary_n_old"], "new_n": cell["primary_n_new"],
@@ -71,6 +84,12 @@ def compare_runs(old: Path | str, new: Path | str, min_factor: float = 1.05) -> 
             "spec_changed": cell["spec_hash_old"] != cell["spec_hash_new"],
         })  # fmt: skip
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _disjoint(cell: dict[str, Any], below: str, above: str) -> bool:
+    """The ``below`` run's interval of the median lies wholly under the ``above`` run's."""
+    high, low = cell[f"primary_ci_high_{below}"], cell[f"primary_ci_low_{above}"]
+    return not intervals.missing(high) and not intervals.missing(low) and high < low
 
 
 def text(frame: pd.DataFrame, old: str, new: str) -> str:
@@ -87,7 +106,7 @@ def text(frame: pd.DataFrame, old: str, new: str) -> str:
             "" if intervals.missing(r["ratio_ci_low"]) else f" ({r['ratio_ci_low']:.3f}-{r['ratio_ci_high']:.3f})"
         )
         rows.append([
-            f"{r['configuration']}/{r['mode']}/ctx{r['context']}_c{r['concurrency']}", str(r["metric"]),
+            str(r["cell"]), str(r["metric"]),
             f"{r['old_p50']:.4g}", f"{r['new_p50']:.4g}", f"{r['ratio']:.3f}x{interval}",
             r["direction"] if isinstance(r["direction"], str) else "-", "yes" if r["spec_changed"] else "",
         ])  # fmt: skip
@@ -109,3 +128,7 @@ def write_html(frame: pd.DataFrame, old: str, new: str, lang: str, out: Path | s
         modes={m.name: m for m in modes.registered()},
     )
     atomic.write_text(out, html)
+
+
+def _load(row: dict[str, Any]) -> str:
+    return f"r{rate_label(float(row['rate']))}" if row.get("rate") else f"c{row['concurrency']}"
