@@ -9,6 +9,7 @@ The calibration server stands in for the engine: what is checked is the client's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import numpy as np
@@ -16,6 +17,7 @@ import pandas as pd
 import pytest
 from test_cell_flags import calibration_experiment
 
+from servegrid import modes
 from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
@@ -86,16 +88,23 @@ def test_rates_name_cells_by_their_load_and_leave_closed_loop_cells_as_they_were
     settings = both.cell_settings(both.cell("honest", "decode", 64, "r0.5"))
     assert (settings["concurrency"], settings["rate"], settings["sampling"]["rule"]) == (None, 0.5, None)
     assert settings["arrival"] == {"pattern": "poisson", "burstiness": 1.0}
-    assert settings["open_loop"] == {"requests": 100, "ramp_s": 5, "max_in_flight": 256}
+    assert settings["open_loop"] == {
+        "requests": 100, "ramp_s": 5, "max_in_flight": 256, "think": {"mean_s": 1.0, "pattern": "exponential"}
+    }  # fmt: skip
     with pytest.raises(ConfigError, match="ctx64_r3 is not in the grid"):
         both.cell("honest", "decode", 64, "r3")
 
 
 def test_rates_where_a_mode_cannot_take_them_and_a_mode_without_any_load_are_refused():
-    raw = calibration_experiment().raw
-    raw["workloads"]["multi_turn"]["rates"] = [1]
-    with pytest.raises(ConfigError, match=r"workloads\.multi_turn\.rates: multi_turn runs closed-loop sessions only"):
-        Experiment(raw)
+    closed_only = dataclasses.replace(modes.get("decode"), name="closed_only", open_loop=False)
+    modes.register(closed_only)
+    try:
+        raw = calibration_experiment().raw
+        raw["workloads"]["closed_only"] = {"contexts": [32], "rates": [1], "output_tokens": 8}
+        with pytest.raises(ConfigError, match=r"workloads\.closed_only\.rates: closed_only runs closed-loop sessions"):
+            Experiment(raw)
+    finally:
+        modes.unregister("closed_only")
     raw = calibration_experiment().raw
     raw["workloads"]["decode"]["concurrency"] = []
     with pytest.raises(ConfigError, match=r"workloads\.decode: neither concurrency nor rates"):
@@ -274,3 +283,28 @@ def test_compare_matches_open_loop_cells_by_rate_and_judges_them_by_their_own_in
     assert "honest/decode/ctx32_r20" in run_comparison.text(
         run_comparison.compare_runs(tmp_path / "old", tmp_path / "new"), "old", "new"
     )
+
+
+def test_multi_turn_conversations_arrive_at_the_rate_and_each_turn_follows_its_think_time(sandbox, tmp_path):
+    """5 conversations/s of three turns, 0.2 s of thought between a reply and the next turn: each conversation's
+    first turn is due on the schedule, each later one 0.2 s after the reply before it, and sent then."""
+    raw = calibration_experiment().raw
+    raw["configurations"] = {"honest": {"label": "honest", "prefix_caching": True}}
+    raw["workloads"] = {"multi_turn": {
+        "contexts": [128], "rates": [5], "turns": 3, "tokens_per_turn": 64, "output_tokens": 8,
+        "arrival": {"pattern": "constant"},
+        "open_loop": {"requests": 8, "ramp_s": 0.2, "think": {"mean_s": 0.2, "pattern": "constant"}},
+    }}  # fmt: skip
+    row, requests, meta = measure(Experiment(raw), sandbox, tmp_path)
+    measured = requests[requests["phase"] == "measured"].sort_values(["seq", "turn"])
+    assert len(measured) == 8 * 3 and measured["error"].isna().all()
+    firsts = measured[measured["turn"] == 1]["intended_send_s"].to_numpy()
+    assert np.diff(firsts) == pytest.approx(0.2, abs=1e-6)  # conversations arrive on the schedule
+    for _, conversation in measured.groupby("seq"):
+        ends, due = conversation["end_s"].to_numpy(), conversation["intended_send_s"].to_numpy()
+        assert due[1:] - ends[:-1] == pytest.approx(0.2, abs=1e-6)  # the think time after each reply
+    assert measured["send_delay_s"].max() < 0.05
+    assert row["load"] == "r5" and bool(row["open_loop"]) and not row["saturated"]
+    assert row["ttft_turn2_p50"] is not None
+    (run,) = meta["open_loop"]
+    assert run["ramp_requests"] == 1  # conversations, not requests: the one due at 0

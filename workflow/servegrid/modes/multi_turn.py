@@ -8,12 +8,14 @@ each adding a user message and the assistant's actual reply (about
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
 
+from servegrid.modes import open_loop
 from servegrid.modes.base import N_, FigureSpec, Mode, PrefixCache, Primary
 from servegrid.modes.registry import register
 from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_in_stages
@@ -64,11 +66,19 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
         (first_message(f"warmup {i}"), follow_ups(f"warmup {i}")) for i in range(w["warmup_requests"])
     ]
 
-    async def converse(session: int, seq: int, phase: str, opening: str, later: list[str], intended_ns: int) -> int:
+    async def converse(
+        session: int, seq: int, phase: str, opening: str, later: list[str], intended_ns: int,
+        think_s: list[float] | None = None,
+    ) -> int:  # fmt: skip
+        """One conversation; ``think_s``: in open loop, the user's pause before each later turn (its send is due
+        then, whatever else is in flight)."""
         messages = [{"role": "user", "content": opening}]
         for turn in range(1, turns + 1):
             if turn > 1:
                 messages.append({"role": "user", "content": later[turn - 2]})
+                if think_s:
+                    intended_ns += int(think_s[turn - 2] * 1e9)
+                    await asyncio.sleep(max(0.0, (intended_ns - time.monotonic_ns()) / 1e9))
             record = ctx.new_record(session, seq, phase, 0, turn=turn)
             record.intended_send_ns = intended_ns
             await ctx.chat(record, messages)
@@ -91,6 +101,15 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
             if record.messages is not None and not record.prompt_tokens_requested:
                 record.prompt_tokens_requested = ctx.chat_prompt_tokens(record.messages)
 
+    if ctx.open_loop is not None:  # conversations arrive at the rate; each later turn after its think time
+        load = ctx.open_loop
+
+        async def arrives(index: int, phase: str, conversation: tuple[str, list[str]], due_ns: int) -> None:
+            await converse(0, index, phase, *conversation, due_ns, load.think_times_s(index, turns - 1))
+
+        ctx.open_outcome = await open_loop.measure(ctx, measure, conversations, load, arrives)
+        count_prompts()
+        return
     await measure_in_stages(ctx, measure, conversations, measured, settle=count_prompts)
 
 
@@ -147,6 +166,7 @@ MODE = register(
         ),
         context_title=N_("base context of %(tokens)s tokens"),
         context_header=N_("Context"),
+        open_loop=True,
         schema={
             "turns": {"type": "integer", "minimum": 2, "default": 3},
             "tokens_per_turn": {"type": "integer", "minimum": 16, "default": 1024},

@@ -23,7 +23,9 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
 
 from servegrid.modes.arrivals import Arrival, due_offsets_s
 from servegrid.records.request import RequestRecord
@@ -44,6 +46,7 @@ class Sender(Protocol):
 
 
 RAMP, MEASURED, DRAIN = "ramp", "measured", "drain"
+Content = TypeVar("Content")
 CANCELLED_AT_DRAIN = "cancelled: the measured window was over (drain)"
 
 
@@ -57,6 +60,8 @@ class OpenLoop:
     ramp_s: float
     max_in_flight: int
     seed: int
+    think_mean_s: float = 0.0  # multi_turn: between a reply and the next turn
+    think_pattern: str = "exponential"
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> OpenLoop:
@@ -67,6 +72,8 @@ class OpenLoop:
             requests=int(window["requests"]),
             ramp_s=float(window["ramp_s"]),
             max_in_flight=int(window["max_in_flight"]),
+            think_mean_s=float((window.get("think") or {}).get("mean_s", 0.0)),
+            think_pattern=str((window.get("think") or {}).get("pattern", "exponential")),
             # Not the configuration: every configuration meets the same arrival times.
             seed=int(settings["workload"]["seed"]),
         )
@@ -84,6 +91,14 @@ class OpenLoop:
             if ramp < ramp_estimate:  # the schedule reaches past the ramp: the window and drain are whole
                 return offsets[: ramp + self.requests + self.max_in_flight].tolist(), ramp
             ramp_estimate *= 2
+
+    def think_times_s(self, index: int, count: int) -> list[float]:
+        """The think times before each of ``count`` later turns of the conversation that arrives ``index``-th:
+        seeded by the schedule's seed and the arrival, so every configuration meets the same ones."""
+        if self.think_pattern == "constant" or self.think_mean_s == 0:
+            return [self.think_mean_s] * count
+        rng = np.random.default_rng([self.seed, index])
+        return rng.exponential(self.think_mean_s, count).tolist()
 
     def expected_in_flight(self, latency_s: float) -> int:
         """Requests in flight at this rate if each takes ``latency_s`` (Little's law), at least 1, at most the
@@ -111,23 +126,31 @@ class OpenLoopOutcome:
 async def measure(
     ctx: Sender,
     measure_hook: Callable[[], Awaitable[None]],
-    prompt_of: Callable[[list[tuple[int, int]]], Sequence[list[int]]],
+    prepare: Callable[[list[tuple[int, int]]], Sequence[Content]],
     load: OpenLoop,
+    send: Callable[[int, str, Content, int], Awaitable[None]] | None = None,
 ) -> OpenLoopOutcome:
-    """Send the schedule's arrivals (each one prompt from ``prompt_of``) at their due times."""
+    """Send the schedule's arrivals at their due times: each arrival is one unit that ``prepare`` built (a
+    prompt; a conversation) and ``send(index, phase, unit, due_ns)`` runs (default: one completion of the prompt)."""
     offsets, ramp = load.schedule()
     window_end = ramp + load.requests
     # Built before anything is in flight: a prompt may ask the server's tokenizer.
-    prompts = prompt_of([(0, i) for i in range(len(offsets))])
+    units = prepare([(0, i) for i in range(len(offsets))])
     outcome = OpenLoopOutcome(ramp_requests=ramp)
     measured_left = load.requests
     measured_done = asyncio.Event()
-    in_flight: dict[asyncio.Task[None], RequestRecord] = {}
+    in_flight: dict[asyncio.Task[None], str] = {}  # each arrival's task and its phase
+
+    async def complete(index: int, phase: str, prompt: Any, due_ns: int) -> None:
+        record = ctx.new_record(0, index, phase, len(prompt))
+        record.intended_send_ns = due_ns
+        await ctx.complete(record, prompt)
+
+    run_unit = send or complete
 
     def finished(task: asyncio.Task[None]) -> None:
         nonlocal measured_left
-        record = in_flight.pop(task)
-        if record.phase == MEASURED:
+        if in_flight.pop(task) == MEASURED:
             measured_left -= 1
             if measured_left == 0:
                 measured_done.set()
@@ -162,26 +185,22 @@ async def measure(
                 if measured_left <= 0:
                     measured_done.set()
             break
-        prompt = prompts[index]
-        record = ctx.new_record(0, index, phase, len(prompt))
-        record.intended_send_ns = due_ns
         if phase == MEASURED:
             last_measured_due_ns = due_ns
-        task = asyncio.create_task(ctx.complete(record, prompt))
-        in_flight[task] = record
+        task = asyncio.create_task(run_unit(index, phase, units[index], due_ns))
+        in_flight[task] = phase
         task.add_done_callback(finished)
         outcome.peak_in_flight = max(outcome.peak_in_flight, len(in_flight))
         outcome.drain_requests += phase == DRAIN
     if measured_left > 0:
         await measured_done.wait()
     drained_ns = time.monotonic_ns()
-    for task, record in list(in_flight.items()):  # ramp or drain requests: never measured
-        if not task.done():
-            task.cancel()
-            record.error = record.error or CANCELLED_AT_DRAIN
+    for task in list(in_flight):  # ramp or drain arrivals: never measured
+        task.cancel()
     await asyncio.gather(*in_flight, return_exceptions=True)
-    for record in ctx.records:
-        if record.error == CANCELLED_AT_DRAIN and record.end_ns is None:
+    for record in ctx.records:  # a stream cancelled before it ended
+        if record.phase in (RAMP, DRAIN) and record.end_ns is None:
+            record.error = record.error or CANCELLED_AT_DRAIN
             record.end_ns = drained_ns
     first_measured_s = offsets[ramp] if ramp < len(offsets) else 0.0
     outcome.ramp_s = first_measured_s
