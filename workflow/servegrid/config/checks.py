@@ -90,6 +90,13 @@ def _context_limits(experiment: Experiment) -> None:
         for mode, workload in experiment.workloads.items():
             for context in workload.contexts:
                 need = experiment.longest_request(mode, context)
+                where = modes.get(mode).longest_where
+                if need > limit and where is not None:
+                    raise ConfigError(
+                        f"workloads.{mode}: {where(workload.settings)} holds {need} tokens (prompt + output), more "
+                        f"than the {limit} that configuration '{name}' allows (its context limit in engine.args or "
+                        f"configurations.{name}.args); cut the trace or its window"
+                    )
                 if need > limit:
                     raise ConfigError(
                         f"workloads.{mode}.contexts: at context {context} a request holds about {need} tokens, "
@@ -101,7 +108,7 @@ def _context_limits(experiment: Experiment) -> None:
 def _loads(experiment: Experiment) -> None:
     """Each mode has sessions or rates to measure; rates only where the mode runs open loop."""
     for mode, workload in experiment.workloads.items():
-        if not workload.concurrency and not workload.rates:
+        if not workload.concurrency and not workload.rates and not workload.speedups:
             raise ConfigError(f"workloads.{mode}: neither concurrency nor rates: the mode has no cell to measure")
         if not workload.rates:
             continue

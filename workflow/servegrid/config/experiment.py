@@ -58,7 +58,7 @@ __all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Va
 MEASUREMENT_VERSION = 5  # 5: the measured phase in stages (sequential sampling); 4: /metrics parsed afterwards
 
 # Keys of a workload section that place it in the grid rather than shape what a cell measures.
-GRID_KEYS = ("enabled", "contexts", "concurrency", "rates")
+GRID_KEYS = ("enabled", "contexts", "concurrency", "rates", "speedups")
 # Keys that shape open-loop cells only: part of those cells' settings, never of a closed-loop cell's (adding rates to
 # a mode reruns none of its closed-loop cells).
 OPEN_LOOP_KEYS = ("arrival", "open_loop")
@@ -93,12 +93,8 @@ class Experiment:
                 open_loop={k: written[k] for k in OPEN_LOOP_KEYS},
                 # A mode's sampling keys are resolved into sampling_rules; a sequential cell has no fixed
                 # count or time limit, so those defaults are not part of what it measures.
-                settings={
-                    k: v
-                    for k, v in written.items()
-                    if k not in (*GRID_KEYS, *OPEN_LOOP_KEYS, "sampling")
-                    and not (self.sampling_rules[mode] and k in ("requests_per_session", "duration_s"))
-                },
+                settings=(settings := self._mode_settings(mode, written)),
+                speedups=self._speedups(mode, written, settings),
             )
             for mode in enabled
             if (written := r["workloads"][mode]) is not None
@@ -126,6 +122,29 @@ class Experiment:
         }
         check(self)
 
+    def _mode_settings(self, mode: str, written: Mapping[str, Any]) -> dict[str, Any]:
+        """What shapes a mode's cells besides their load, with what the mode derives from it (a trace's hash)."""
+        settings = {
+            k: v
+            for k, v in written.items()
+            if k not in (*GRID_KEYS, *OPEN_LOOP_KEYS, "sampling")
+            # A sequential cell has no fixed count or time limit, so those defaults are not part of what it measures.
+            and not (self.sampling_rules[mode] and k in ("requests_per_session", "duration_s"))
+        }
+        resolve = modes.get(mode).resolve
+        try:
+            return settings | dict(resolve(settings)) if resolve else settings
+        except ConfigError as exc:
+            raise ConfigError(f"{self.source}: workloads.{mode}: {exc}") from None
+
+    def _speedups(self, mode: str, written: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[float, float]:
+        """A trace mode's speedups, each with the offered rate it gives (requests/s); {} for other modes."""
+        speedups = [float(x) for x in written.get("speedups", [])]
+        rate = modes.get(mode).trace_rate(settings) if speedups else 0.0
+        if speedups and not rate > 0:
+            raise ConfigError(f"{self.source}: workloads.{mode}: the replayed trace has no rate (one arrival?)")
+        return {x: rate * x for x in speedups}
+
     @classmethod
     def from_file(cls, path: str | Path) -> Experiment:
         raw = read_yaml(path)
@@ -147,27 +166,45 @@ class Experiment:
     def cells(self, configuration: str | None = None) -> list[Cell]:
         names = [configuration] if configuration else list(self.configurations)
         # Closed-loop cells first, then open-loop ones: each in the order the config lists its loads.
-        loads = {m: [(c, 0.0) for c in w.concurrency] + [(0, r) for r in w.rates] for m, w in self.workloads.items()}
+        loads = {
+            m: [(c, 0.0, 0.0) for c in w.concurrency] + [(0, r, 0.0) for r in w.rates]
+            + [(0, rate, x) for x, rate in w.speedups.items()]
+            for m, w in self.workloads.items()
+        }  # fmt: skip
         return [
-            Cell(name, w.mode, context, concurrency, rate)
+            Cell(name, w.mode, context, concurrency, rate, speedup)
             for name in names
             for w in self.workloads.values()
             for context in w.contexts
-            for concurrency, rate in loads[w.mode]
+            for concurrency, rate, speedup in loads[w.mode]
         ]
 
     def cell(self, configuration: str, mode: str, context: int, load: int | str) -> Cell:
-        """The grid's cell at ``load``: sessions (an int, or ``"c4"``) or an offered rate (``"r0.5"``)."""
-        concurrency, rate = parse_load(load)
-        wanted = Cell(configuration, mode, int(context), concurrency, rate)
+        """The grid's cell at ``load``: sessions (an int, or ``"c4"``), an offered rate (``"r0.5"``) or a trace's
+        speedup (``"x2"``)."""
+        concurrency, rate, speedup = parse_load(load)
+        workload = self.workloads.get(mode)
+        if speedup:
+            rate = workload.speedups.get(speedup, 0.0) if workload is not None else 0.0
+        try:
+            wanted = Cell(configuration, mode, int(context), concurrency, rate, speedup)
+        except ValueError:  # a speedup the mode does not have: no rate
+            raise ConfigError(
+                f"{self.source}: cell {configuration}/{mode}/ctx{context}_{load} is not in the grid"
+            ) from None
         # Checked in place, not against self.cells(): Snakemake asks once per cell job, and rebuilding the
         # grid each time made the DAG grow with the square of the grid (docs/scale.md).
-        workload = self.workloads.get(mode)
+        if speedup:
+            in_load = workload is not None and speedup in workload.speedups
+        elif wanted.open_loop:
+            in_load = workload is not None and wanted.rate in workload.rates
+        else:
+            in_load = workload is not None and wanted.concurrency in workload.concurrency
         if not (
             configuration in self.configurations
             and workload is not None
             and wanted.context in workload.contexts
-            and (wanted.rate in workload.rates if wanted.open_loop else wanted.concurrency in workload.concurrency)
+            and in_load
         ):
             raise ConfigError(f"{self.source}: cell {wanted.id} is not in the grid")
         return wanted
@@ -242,11 +279,15 @@ class Experiment:
         workload = self.workload(cell.mode)
         # An open-loop cell has no sessions: its rate and how requests arrive (only its settings carry them, so a
         # closed-loop cell's settings are what they were before rates existed).
-        load = (
-            {"concurrency": None, "rate": cell.rate, **{k: dict(workload.open_loop[k]) for k in OPEN_LOOP_KEYS}}
-            if cell.open_loop
-            else {"concurrency": cell.concurrency}
-        )
+        load: dict[str, Any] = {"concurrency": cell.concurrency}
+        if cell.speedup:  # a replayed trace: its own arrivals (the trace's identity is in the workload settings)
+            window = workload.open_loop["open_loop"]
+            load = {"concurrency": None, "rate": cell.rate, "speedup": cell.speedup, "arrival": {"pattern": "trace"},
+                    # requests: the replayed arrivals (what servegrid estimate and the Slurm time limit price)
+                    "open_loop": {"ramp_s": window["ramp_s"], "max_in_flight": window["max_in_flight"],
+                                  "requests": int(workload.settings.get("trace", {}).get("arrivals", 1))}}  # fmt: skip
+        elif cell.open_loop:
+            load = {"concurrency": None, "rate": cell.rate, **{k: dict(workload.open_loop[k]) for k in OPEN_LOOP_KEYS}}
         return routes | {
             "measurement_version": MEASUREMENT_VERSION,
             "cell": cell.id,
@@ -320,6 +361,8 @@ class Experiment:
         view = {**w.settings, "contexts": list(w.contexts), "concurrency": list(w.concurrency)}
         if w.rates:  # only where there are open-loop cells: a report without them keeps its params
             view |= {"rates": list(w.rates), **{k: dict(w.open_loop[k]) for k in OPEN_LOOP_KEYS}}
+        if w.speedups:
+            view |= {"speedups": list(w.speedups), "open_loop": dict(w.open_loop["open_loop"])}
         return view
 
     def longest_request(self, mode: str, context: int) -> int:

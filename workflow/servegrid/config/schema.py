@@ -89,7 +89,8 @@ def load_schema() -> dict[str, Any]:
         workloads["properties"][mode.name] = {
             "type": "object",
             "additionalProperties": False,
-            "required": ["contexts"],
+            # A mode that gives its contexts a default (trace: [0]) does not need them written.
+            "required": [] if "default" in properties["contexts"] else ["contexts"],
             "properties": properties,
         }
     schema["properties"]["slo"]["properties"] = {name: {"$ref": "#/$defs/objectives"} for name in modes.names()}

@@ -77,6 +77,8 @@ class Workload:
     settings: Mapping[str, Any]  # everything else: what shapes a cell's numbers (cell_settings' "workload")
     rates: tuple[float, ...] = ()  # open-loop offered rates, requests/s (servegrid.config.grid)
     open_loop: Mapping[str, Any] = field(default_factory=dict)  # arrival and open_loop: open-loop cells' settings
+    # A trace mode's speedups and the offered rate each gives (its replayed arrivals' rate times the speedup).
+    speedups: Mapping[float, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ async def _measure(
     headers = headers or {}
     routes = list(routes or [Route("direct", url, model, headers, engine.health_path)])
     mode = modes.get(settings["mode"])
-    load = OpenLoop.from_settings(settings) if settings.get("rate") else None
+    load = OpenLoop.for_cell(settings)
     # Connections the pool may hold: a session's each, or an open-loop cell's ceiling on requests in flight.
     connections = load.max_in_flight if load else settings["concurrency"]
     timeout = httpx.Timeout(operations.request_timeout_s, connect=30.0)
@@ -185,7 +185,7 @@ async def _measure_phase(
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """One measured phase of one repeat by one route: warm-up, stages, the server's counters around them."""
     mode = modes.get(settings["mode"])
-    load = OpenLoop.from_settings(settings) if settings.get("rate") else None
+    load = OpenLoop.for_cell(settings)
     # An open-loop cell has no sessions: it opens connections for the requests its rate keeps in flight.
     concurrency = settings["concurrency"] or 1
     model = route.model
@@ -197,6 +197,7 @@ async def _measure_phase(
         context=settings["context"],
         concurrency=concurrency,
         open_loop=load,
+        speedup=float(settings.get("speedup") or 1.0),
         workload=settings["workload"],
         temperature=settings["sampling"]["temperature"],
         model=model,

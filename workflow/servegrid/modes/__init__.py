@@ -15,4 +15,4 @@ from servegrid.modes.registry import get, names, register, registered, unregiste
 __all__ = ["FigureSpec", "Mode", "Primary", "get", "names", "register", "registered", "unregister"]
 
 # The built-in modes, registered in the order the report shows them.
-from servegrid.modes import decode, single_turn, multi_turn  # noqa: F401, I001
+from servegrid.modes import decode, single_turn, multi_turn, trace  # noqa: F401, I001

@@ -82,6 +82,13 @@ class Mode:
     unit_requests: Callable[[int, Mapping[str, Any]], tuple[tuple[int, int, int], ...]] | None = None
     # The description's placeholders from the mode's settings (numbers and lists of numbers).
     describe: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda workload: {}
+    # Settings the mode derives when the config is read (a trace's content hash), merged into its settings: what
+    # its cells depend on beyond what the config says. May raise ConfigError naming what is wrong.
+    resolve: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    # A replayed trace's arrival rate at 1x, requests/s: each speedup's offered rate is this times the speedup.
+    trace_rate: Callable[[Mapping[str, Any]], float] = lambda workload: 0.0
+    # Where the longest request comes from ("line 17 of t.jsonl"), for the context-limit refusal; None: its context.
+    longest_where: Callable[[Mapping[str, Any]], str] | None = None
 
     def expected_hit_rate(
         self, prefix_caching: bool, settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache

@@ -72,10 +72,12 @@ class WorkloadContext:
     # An open-loop cell's load (None: closed-loop sessions) and, once measured, what its run was.
     open_loop: OpenLoop | None = None
     open_outcome: OpenLoopOutcome | None = None
+    speedup: float = 1.0  # a trace cell's: how much faster than the trace its requests are due
 
     def new_record(
-        self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
-    ) -> RequestRecord:
+        self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = "",
+        output_tokens: int | None = None,
+    ) -> RequestRecord:  # fmt: skip
         record = RequestRecord(
             request_id=label or f"{phase}-s{session}-r{seq}-t{turn}",
             session=session,
@@ -83,14 +85,15 @@ class WorkloadContext:
             phase=phase,
             turn=turn,
             prompt_tokens_requested=prompt_tokens,
-            output_tokens_requested=self.workload["output_tokens"],
+            output_tokens_requested=self.workload["output_tokens"] if output_tokens is None else output_tokens,
         )
         self.records.append(record)
         return record
 
     async def complete(self, record: RequestRecord, prompt: list[int]) -> None:
-        """Send ``prompt``; its stream is decoded once the cell's streams are over (Streamer.decode_pending)."""
-        payload = self.engine.completion_payload(self.model, prompt, self.workload["output_tokens"], self.temperature)
+        """Send ``prompt`` for the record's output tokens; its stream is decoded once the cell's streams are over
+        (Streamer.decode_pending)."""
+        payload = self.engine.completion_payload(self.model, prompt, record.output_tokens_requested, self.temperature)
         await self.streamer.stream(self.engine.completions_path, payload, record, decode=False)
 
     async def chat(self, record: RequestRecord, messages: list[dict[str, str]]) -> None:

@@ -1,0 +1,73 @@
+"""Where a trace cell's requests come from (``workloads.trace.source``): a file, or the seeded generator.
+
+Both become one :class:`~servegrid.modes.trace_file.Trace`, cut to ``window`` and named by its content's hash,
+which :func:`identity` puts into the cell's settings: a new trace file, or a new generator setting, reruns
+exactly the trace's cells, and a file reformatted with the same requests reruns none.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from servegrid.errors import ConfigError
+from servegrid.modes import trace_csv
+from servegrid.modes.trace_file import FORMATS, Trace, from_rows, parse_mooncake
+from servegrid.modes.trace_generator import TraceShape, generate
+
+
+def detect_format(path: Path) -> str:
+    return "csv" if path.suffix.lower() == ".csv" else "mooncake"
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, fmt: str, block_tokens: int, mtime_ns: int, size: int) -> Trace:
+    file = Path(path)
+    return trace_csv.parse_csv(file, block_tokens) if fmt == "csv" else parse_mooncake(file, block_tokens)
+
+
+def read(path: str | Path, fmt: str = "auto", block_tokens: int = 512) -> Trace:
+    """The trace at ``path`` (cached while the file is unchanged); :class:`ConfigError` naming the file and line."""
+    file = Path(path)
+    if fmt not in FORMATS:
+        raise ConfigError(f"trace format {fmt!r} (known: {', '.join(FORMATS)})")
+    try:
+        stat = file.stat()
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read the trace: {exc.strerror}") from None
+    return _read(str(file), detect_format(file) if fmt == "auto" else fmt, block_tokens, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _generated(shape: TraceShape, block_tokens: int) -> Trace:
+    return from_rows(enumerate(generate(shape, block_tokens), start=1), block_tokens, "generated trace")
+
+
+def whole(workload: Mapping[str, Any]) -> Trace:
+    """The trace a trace mode's settings name, before its window."""
+    source, block = workload["source"], int(workload["block_tokens"])
+    if source.get("file") is not None:
+        return read(source["file"], source.get("format", "auto"), block)
+    return _generated(TraceShape.from_settings(source.get("generate") or {}), block)
+
+
+def replayed(workload: Mapping[str, Any]) -> Trace:
+    """The requests a trace cell replays: the trace cut to its window."""
+    window = workload["window"]
+    return whole(workload).window(float(window["start_s"]), window.get("duration_s"))
+
+
+def identity(workload: Mapping[str, Any]) -> dict[str, Any]:
+    """What a trace cell's settings hold of its trace: the replayed requests' hash and what they are."""
+    trace = replayed(workload)
+    return {"sha256": trace.sha256, "requests": len(trace.requests), "arrivals": len(trace.conversations),
+            "rate": round(trace.rate, 6), "longest_tokens": trace.longest().total_tokens}  # fmt: skip
+
+
+def to_jsonl(rows: list[dict[str, Any]]) -> str:
+    """Mooncake JSONL text of the generator's records, keys in the format's order."""
+    order = ("timestamp", "session_id", "delay", "input_length", "output_length", "hash_ids")
+    return "".join(json.dumps({k: row[k] for k in order if row.get(k) is not None}) + "\n" for row in rows)
