@@ -1,5 +1,6 @@
 """The verdict in rates: per mode, context and configuration, the highest offered rate it sustains, and how the
-configurations' sustainable rates compare (docs/open-loop.md, "The verdict in rates").
+configurations' sustainable rates compare (docs/open-loop.md, "The verdict in rates"). A replayed trace's cells are
+judged alike, their offered rates being the trace's times each speedup: the row also names the speedups.
 
 An open-loop cell **sustains** its offered rate when it is valid, not saturated, meets its mode's objectives
 (``slo:``, judged as for the production table: servegrid.analysis.slo) and its goodput (requests that met every
@@ -27,7 +28,7 @@ from servegrid.stats import intervals, sampling
 
 COLUMNS = ["mode", "context", "configuration", "sustainable_rate", "capacity_below", "stopped_by",
            "measured_rates", "sustained_rates", "goodput_rps", "winner", "ratio_to_baseline", "ratio_ci_low",
-           "ratio_ci_high"]  # fmt: skip
+           "ratio_ci_high", "sustainable_speedup", "speedup_below"]  # fmt: skip
 RESAMPLES = 2000
 
 
@@ -91,12 +92,20 @@ def rate_table(
                 "sustained_rates": ",".join(f"{r:g}" for r, (ok, _) in zip(rates, judged, strict=True) if ok),
                 "goodput_rps": None if goodput is None or pd.isna(goodput) else float(goodput),
                 "winner": False, "ratio_to_baseline": None, "ratio_ci_low": None, "ratio_ci_high": None,
+                # A replayed trace: the same in the trace's speedups (its offered rates are the trace's times these).
+                "sustainable_speedup": _speedup(own[held - 1]) if held else None,
+                "speedup_below": _speedup(own[held]) if held < len(rates) else None,
             })  # fmt: skip
             resampled[name] = _resampled_sustainable(own, by_cell, goals, share)
         group_rows = rows[len(rows) - len(names) :]
         _mark_winners(group_rows, min_factor)
         _ratios(group_rows, resampled)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _speedup(row: dict[str, Any]) -> float | None:
+    value = row.get("speedup")
+    return None if value is None or pd.isna(value) else float(value)
 
 
 def _mark_winners(group: list[dict[str, Any]], min_factor: float) -> None:

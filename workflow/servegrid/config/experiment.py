@@ -142,7 +142,7 @@ class Experiment:
         speedups = [float(x) for x in written.get("speedups", [])]
         rate = modes.get(mode).trace_rate(settings) if speedups else 0.0
         if speedups and not rate > 0:
-            raise ConfigError(f"{self.source}: workloads.{mode}: the replayed trace has no rate (one arrival?)")
+            raise ConfigError(f"{self.source}: workloads.{mode}: the replayed trace has no rate: its arrivals come at one instant (give window.duration_s)")
         return {x: rate * x for x in speedups}
 
     @classmethod
@@ -325,7 +325,13 @@ class Experiment:
             # Which figures exist and which panels the goodput figure has.
             "slo": self.raw["slo"],
             "route": self.route,  # the gateway's figure exists with route: both
-        }
+        } | self._traces()
+
+    def _traces(self) -> dict[str, Any]:
+        """A replayed trace's identity, where a mode replays one (its shape is drawn from the trace itself): absent
+        otherwise, so that a run without a trace keeps its params."""
+        traces = {m: w.settings["trace"] for m, w in self.workloads.items() if "trace" in w.settings}
+        return {"traces": traces} if traces else {}
 
     def presentation(self) -> dict[str, Any]:
         """What the report shows of the configuration besides the measured data: a declared input

@@ -36,8 +36,8 @@ DIGITS = "0123456789"
 
 class BlockPrompts:
     """Token-exact prompts from block ids: block ``h`` is the same ``block_tokens`` tokens wherever it appears in
-    this cell run (a marker with the run's nonce and ``h``, then corpus text seeded by ``h``), and a prompt is its
-    blocks, the last one cut to the prompt's length."""
+    this cell run (``h``'s digits, a marker with the run's nonce, then corpus text seeded by ``h``), and a prompt
+    is its blocks, the last one cut to the prompt's length."""
 
     def __init__(self, builder: PromptBuilder, block_tokens: int) -> None:
         self.builder = builder
@@ -50,7 +50,8 @@ class BlockPrompts:
     def block(self, hash_id: int) -> list[int]:
         tokens = self._blocks.get(hash_id)
         if tokens is None:
-            head = (self.opening + [self.digits[int(c)] for c in str(abs(hash_id))] + self.closing)[: self.block_tokens]
+            # The id first: two blocks part at their first tokens, so no cache block of any size matches across them.
+            head = ([self.digits[int(c)] for c in str(abs(hash_id))] + self.opening + self.closing)[: self.block_tokens]
             rng = random.Random(f"{self.builder.seed}/{self.builder.nonce}/block {hash_id}")
             tokens = self._blocks[hash_id] = head + self.builder.body(self.block_tokens - len(head), rng)
         return tokens

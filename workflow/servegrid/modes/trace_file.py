@@ -66,6 +66,7 @@ class Trace:
     block_tokens: int
     requests: tuple[TraceRequest, ...]
     conversations: tuple[Conversation, ...] = field(default=())
+    window_s: float | None = None  # the window's stated length, if cut to one
 
     @functools.cached_property
     def sha256(self) -> str:
@@ -85,7 +86,10 @@ class Trace:
 
     @property
     def rate(self) -> float:
-        """Arrivals (conversations) per second at 1× speed: (arrivals − 1) over their span."""
+        """Arrivals (conversations) per second at 1× speed: over the window's stated length, else (arrivals − 1)
+        over their span."""
+        if self.window_s:
+            return len(self.conversations) / self.window_s
         span = self.span_s
         return (len(self.conversations) - 1) / span if span > 0 else 0.0
 
@@ -100,7 +104,7 @@ class Trace:
             raise ConfigError(f"{self.source}: no request arrives in the window from {start_s:g} s "
                               f"for {duration_s if duration_s is not None else 'the rest'} s")  # fmt: skip
         requests = tuple(t for c in kept for t in c.turns)
-        return Trace(self.source, self.block_tokens, requests, kept)
+        return Trace(self.source, self.block_tokens, requests, kept, duration_s)
 
     def longest(self) -> TraceRequest:
         """The request holding the most tokens at its end (prompt + output)."""

@@ -109,7 +109,7 @@ RATE_FIGURE = FigureSpec(
 
 def run_figures(experiment: Experiment) -> tuple[FigureSpec, ...]:
     gateway = (GATEWAY_FIGURE,) if experiment.route == "both" else ()
-    rates = (RATE_FIGURE,) if any(w.rates for w in experiment.workloads.values()) else ()
+    rates = (RATE_FIGURE,) if any(w.rates or w.speedups for w in experiment.workloads.values()) else ()
     return RUN_FIGURES + ((GOODPUT_FIGURE,) if experiment.slo else ()) + gateway + rates
 
 

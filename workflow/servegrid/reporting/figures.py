@@ -39,19 +39,22 @@ from servegrid.reporting.catalogues import format_number, load_catalog
 from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, TABLES_READ, figure_specs, shown_contexts
 from servegrid.reporting.rate_figures import RateFigures
 from servegrid.reporting.run_figures import RunFigures
+from servegrid.reporting.trace_figures import TraceFigures
 from servegrid.stats import intervals
 
 Gettext = Callable[[str], str]
 
 # The kinds of figure a mode may declare (FigureSpec.kind): Painter methods taking (mode, **options);
 # and those of the whole run (servegrid.reporting.figure_files.RUN_FIGURES), taking nothing.
-MODE_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context", "throughput_latency")
+MODE_KINDS = (
+    "primary_by_concurrency", "probe_bars", "each_configuration_by_context", "throughput_latency", "trace_shape",
+)  # fmt: skip
 RUN_KINDS = ("ratio_heatmap", "goodput_by_concurrency", "latency_cdfs", "gateway_added_latency", "latency_by_rate")
 # One marker per configuration besides its colour, in config order: lines stay apart in grey print.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-class Painter(RunFigures, RateFigures):
+class Painter(RunFigures, RateFigures, TraceFigures):
     """Draws the figures of one language: the modes' own here, the whole run's in :class:`RunFigures`."""
 
     def __init__(

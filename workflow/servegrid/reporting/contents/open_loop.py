@@ -2,7 +2,8 @@
 achieved, its latency, and how its run went (saturated, ramp and drain, correlated samples).
 
 Built from the summary's open-loop rows (servegrid.analysis.load_columns) and the verdict in rates (rates.parquet,
-servegrid.analysis.rate_verdict); shown when the run has any. Figures by rate are still to come (docs/open-loop.md).
+servegrid.analysis.rate_verdict); shown when the run has any. A replayed trace's cells are among them, named by
+their speedup.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class OpenLoopView:
     @property
     def any_saturated(self) -> bool:
         return any(r["saturated"] for r in self.rows)
+
+    @property
+    def any_trace(self) -> bool:
+        return any(r["speedup"] is not None for r in self.rows)
 
     @property
     def any_correlated(self) -> bool:
@@ -68,6 +73,7 @@ def open_loop_view(
                 "not_sent": int(cell.get("not_sent") or 0),
                 "correlated": bool(cell.get("primary_correlated")),
                 "valid": bool(cell.get("valid")),
+                "speedup": _value(cell, "speedup"),  # a replayed trace's, shown instead of its context
             }
         )
     for rate in rates.to_dict("records") if rates is not None and len(rates) else []:
@@ -83,6 +89,8 @@ def open_loop_view(
                 "ratio_low": _value(rate, "ratio_ci_low"),
                 "ratio_high": _value(rate, "ratio_ci_high"),
                 "winner": bool(rate.get("winner")),
+                "speedup": _value(rate, "sustainable_speedup"),
+                "speedup_below": _value(rate, "speedup_below"),
             }
         )
     return view

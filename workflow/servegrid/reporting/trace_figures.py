@@ -1,0 +1,74 @@
+"""The figure of a replayed trace's own shape (docs/open-loop.md, "Replaying a trace"): what was replayed, so a
+reader can judge whether it looks like their traffic.
+
+:class:`TraceFigures` is the part of :class:`servegrid.reporting.figures.Painter` that draws it. It reads the
+trace itself (servegrid.modes.trace_source), at 1x: arrivals per second over time, the prompt and output
+lengths, and the share of each prompt that earlier requests of the trace carried (an unbounded cache, one token
+granularity: the trace's reuse before any server's block size).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import FuncFormatter
+
+from servegrid.config import Experiment
+from servegrid.engines.base import PrefixCache
+from servegrid.modes import trace, trace_source
+
+
+class TraceFigures:
+    """The trace-shape figure; a mixin of :class:`servegrid.reporting.figures.Painter`, which sets these."""
+
+    experiment: Experiment
+    _: Callable[[str], str]
+
+    if TYPE_CHECKING:
+
+        def number(self, value: float, digits: int | None = None) -> str: ...
+
+    def trace_shape(self, mode: str) -> plt.Figure:
+        replayed = trace_source.replayed(self.experiment.workload(mode).settings)
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+        arrivals_ax, lengths_ax, reuse_ax = axes
+        first = replayed.conversations[0].arrival_ms
+        seconds = np.array([(c.arrival_ms - first) / 1000 for c in replayed.conversations])
+        bins = np.arange(0, math.floor(seconds.max()) + 2)
+        arrivals_ax.hist(seconds, bins=bins, color="0.35")
+        arrivals_ax.set_xlabel(self._("seconds into the trace"))
+        arrivals_ax.set_ylabel(self._("arrivals per second"))
+        arrivals_ax.set_title(self._("Arrivals"))
+
+        prompts = np.array([r.input_tokens for r in replayed.requests])
+        outputs = np.array([r.output_tokens for r in replayed.requests])
+        top = max(int(prompts.max()), int(outputs.max()), 2)
+        edges = np.logspace(0, math.log10(top) + 0.05, 30)
+        lengths_ax.hist(prompts, bins=edges, color="0.35", alpha=0.8, label=self._("prompt"))
+        lengths_ax.hist(outputs, bins=edges, color="tab:orange", alpha=0.6, label=self._("output"))
+        lengths_ax.set_xscale("log")
+        lengths_ax.set_xlabel(self._("tokens"))
+        lengths_ax.set_ylabel(self._("requests"))
+        lengths_ax.set_title(self._("Lengths"))
+        lengths_ax.legend(frameon=False)
+
+        reusable = trace.reusable_tokens(replayed, PrefixCache())
+        share = np.array([reusable[(i, t)] / r.input_tokens for i, c in enumerate(replayed.conversations)
+                          for t, r in enumerate(c.turns, start=1)])  # fmt: skip
+        reuse_ax.hist(share * 100, bins=np.linspace(0, 100, 21), color="0.35")
+        total = sum(reusable.values()) / float(prompts.sum())
+        reuse_ax.axvline(total * 100, color="tab:red", linestyle="--")
+        reuse_ax.set_xlabel(self._("share of the prompt carried by earlier requests (%)"))
+        reuse_ax.set_ylabel(self._("requests"))
+        reuse_ax.set_title(
+            self._("Prefix reuse: %(share)s%% of all prompt tokens") % {"share": self.number(total * 100, 0)}
+        )
+        for ax in axes:
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: self.number(v)))
+        fig.tight_layout()
+        return fig
