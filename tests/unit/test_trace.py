@@ -6,7 +6,6 @@ prefix-cache hit rate the server counts equal to the trace's own reuse in the se
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -62,7 +61,8 @@ def test_a_slice_of_the_public_mooncake_trace_parses_as_the_format_says():
 def test_trace_lines_that_cannot_be_replayed_are_refused_naming_the_line(tmp_path):
     bad = tmp_path / "t.jsonl"
     cases = {
-        '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timestamp": 1, "input_length": 10}': r"t.jsonl:2: no hash_ids",
+        '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timestamp": 1, "input_length": 10}':
+            r"t.jsonl:2: no hash_ids",
         '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\nnot json': r"t.jsonl:2: not JSON",
         '{"timestamp": -5, "input_length": 10, "hash_ids": [1]}': r"t.jsonl:1: timestamp -5",
         '{"input_length": 10, "hash_ids": [1]}': r"t.jsonl:1: no timestamp",
@@ -151,7 +151,7 @@ def test_a_trace_request_longer_than_the_context_limit_is_refused_before_anythin
     raw["workloads"]["trace"]["window"] = {"start_s": 3, "duration_s": 2.5}  # lines 8-11: none too long
     assert [c.id for c in Experiment(raw).cells()] == ["honest/trace/ctx0_x1"]
     raw["workloads"]["trace"]["source"] = {"file": str(MOONCAKE_SLICE), "generate": {}}
-    with pytest.raises(ConfigError, match="give either file .* or generate"):
+    with pytest.raises(ConfigError, match=r"give either file .* or generate"):
         Experiment(raw)
 
 

@@ -142,7 +142,10 @@ class Experiment:
         speedups = [float(x) for x in written.get("speedups", [])]
         rate = modes.get(mode).trace_rate(settings) if speedups else 0.0
         if speedups and not rate > 0:
-            raise ConfigError(f"{self.source}: workloads.{mode}: the replayed trace has no rate: its arrivals come at one instant (give window.duration_s)")
+            raise ConfigError(
+                f"{self.source}: workloads.{mode}: the replayed trace has no rate: its arrivals come at one instant "
+                "(give window.duration_s)"
+            )
         return {x: rate * x for x in speedups}
 
     @classmethod
