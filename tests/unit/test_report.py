@@ -18,7 +18,7 @@ from servegrid.config import Experiment
 from servegrid.errors import ConfigError, ReportError
 from servegrid.languages import LOCALES
 from servegrid.paths import RunTables
-from servegrid.reporting import catalogues, document, figure_files, figures, rate_figures, run_figures
+from servegrid.reporting import catalogues, document, figure_files, figures, rate_figures, run_figures, trace_figures
 from servegrid.reporting.document import TEMPLATES
 
 
@@ -100,7 +100,7 @@ def test_catalogues_translate_every_template_message():
         )
     }
     # Words in Python: the figures' own, and every mode's and run figure's (marked N_), as report/babel.cfg says.
-    sources = [Path(m.__file__) for m in (figures, run_figures, rate_figures, figure_files)]
+    sources = [Path(m.__file__) for m in (figures, run_figures, rate_figures, trace_figures, figure_files)]
     sources += sorted(Path(modes.__file__).parent.glob("*.py"))
     for path in sources:
         with path.open("rb") as source:

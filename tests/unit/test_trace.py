@@ -218,3 +218,32 @@ def test_a_replay_is_token_exact_on_schedule_and_hits_the_cache_as_the_trace_reu
     # Exact here (this server counts a block when the request arrives); one token out of place misses ~0.025.
     assert row["server_prefix_cache_hit_rate"] == pytest.approx(row["expected_hit_rate"], abs=0.005)
     assert row["expected_hit_rate"] > 0.2 and not bool(row["cache_contradiction"])
+
+
+def test_the_report_shows_what_was_replayed_and_the_speedups_each_configuration_sustains(sandbox, tmp_path):
+    """Two speedups of a small generated trace: the trace's section shows its shape figure, the open-loop section
+    names each cell by its speedup and the verdict says up to which speedup the configuration kept up, in both
+    languages (HTML and PDF)."""
+    from servegrid.reporting import document, figures
+
+    source = {"generate": {"seed": 5, "duration_s": 4, "rate": 3, "input_median": 48, "output_median": 3,
+                           "max_input": 200, "max_output": 4, "session_share": 0.2, "think_mean_s": 0.1}}  # fmt: skip
+    experiment = trace_experiment(source, [1, 2], block_tokens=16)
+    summary, _ = replay(experiment, sandbox, tmp_path)
+    assert list(summary["load"]) == ["x1", "x2"] and summary["valid"].all()
+    tables = RunTables.under(tmp_path / "tables")
+    rates = pd.read_parquet(tables.rates)
+    assert rates.iloc[0]["sustainable_speedup"] == 2  # the calibration server keeps up with both
+    words = {"pt": ("Reprodução de trace", r"a 2,00× o trace"), "hu": ("Trace-visszajátszás", r"a trace 2,00×-esén")}
+    for lang, (heading, sustained) in words.items():
+        figures_dir = tmp_path / "figures" / lang
+        drawn = figures.draw_all(experiment, tables, figures_dir, lang)
+        assert figures_dir / "trace_shape.png" in drawn
+        html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
+        document.render(experiment, lang, tables, figures_dir, str(html), str(pdf))
+        page = html.read_text(encoding="utf-8")
+        section = page.split('id="trace"')[1].split("</section>")[0]
+        assert heading in section and 'id="fig-trace_shape"' in section and 'class="grid primary' not in section
+        open_section = page.split('id="open-loop"')[1].split("</section>")[0]
+        assert sustained in open_section and "· 1,00×" in open_section  # the cells, named by their speedup
+        assert pdf.stat().st_size > 10_000
