@@ -3,6 +3,7 @@
 #   make test   set everything up, lint, run the whole test suite
 #   make demo-proxy   the CPU demo measured straight and through a LiteLLM proxy (docs/gateway.md)
 #   make demo-hybrid  the seed's shape: a tiny Qwen3-Next hybrid, MTP against prefix caching (docs/verdict.md)
+#   make demo-traffic the demo's configurations under open-loop traffic: Poisson rates and a replayed trace
 # Both work from a clean clone; nothing needs installing by hand.
 
 PYTHON ?= python3
@@ -14,7 +15,7 @@ LITELLM_VENV := .venv-litellm
 VLLM_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo demo-proxy demo-hybrid test lint bench clean-results
+.PHONY: setup system-deps demo demo-proxy demo-hybrid demo-traffic test lint bench clean-results
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(LITELLM_VENV)/.installed
 
@@ -68,6 +69,11 @@ demo-hybrid: setup
 	$(VENV)/bin/snakemake --profile profiles/cpu-hybrid-demo report
 	@echo "Reports: results/report/servegrid-{pt,hu}.{html,pdf}"
 
+# Its own target: open-loop cells (rates, a generated trace at two speedups) and the verdict in rates.
+demo-traffic: setup
+	$(VENV)/bin/snakemake --profile profiles/cpu-traffic-demo report
+	@echo "Reports: results/report/servegrid-{pt,hu}.{html,pdf} (sections 'open loop' and 'trace replay')"
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -77,6 +83,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo -n
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-demo-proxy -n
 	$(VENV)/bin/snakemake --lint --profile profiles/cpu-hybrid-demo -n
+	$(VENV)/bin/snakemake --lint --profile profiles/cpu-traffic-demo -n
 
 # Three sessions (tests/conftest.py says which test goes where):
 #   1. the unit tests that may share the cores, on both (pytest-xdist);

@@ -67,7 +67,34 @@ def identity(workload: Mapping[str, Any]) -> dict[str, Any]:
             "rate": round(trace.rate, 6), "longest_tokens": trace.longest().total_tokens}  # fmt: skip
 
 
-def to_jsonl(rows: list[dict[str, Any]]) -> str:
-    """Mooncake JSONL text of the generator's records, keys in the format's order."""
-    order = ("timestamp", "session_id", "delay", "input_length", "output_length", "hash_ids")
-    return "".join(json.dumps({k: row[k] for k in order if row.get(k) is not None}) + "\n" for row in rows)
+def to_jsonl(trace: Trace) -> str:
+    """The trace as Mooncake JSONL (what ``servegrid trace write`` prints): a generated trace for a reader, or for
+    another tool to replay the same requests."""
+    lines = []
+    for r in trace.requests:
+        row = {"timestamp": r.timestamp_ms, "session_id": r.session, "delay": r.delay_ms,
+               "input_length": r.input_tokens, "output_length": r.output_tokens,
+               "hash_ids": list(r.hash_ids)}  # fmt: skip
+        for key in ("timestamp", "delay"):  # whole milliseconds as integers, as Mooncake writes them
+            if row[key] is not None and float(row[key]).is_integer():
+                row[key] = int(row[key])
+        lines.append(json.dumps({k: v for k, v in row.items() if v is not None}) + "\n")
+    return "".join(lines)
+
+
+def describe(trace: Trace) -> dict[str, Any]:
+    """What ``servegrid trace show`` prints: the trace's size, pace, lengths and reuse."""
+    prompts = sorted(r.input_tokens for r in trace.requests)
+    outputs = sorted(r.output_tokens for r in trace.requests)
+
+    def pct(values: list[int], q: float) -> int:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    return {
+        "source": trace.source, "requests": len(trace.requests), "arrivals": len(trace.conversations),
+        "sessions": sum(1 for c in trace.conversations if len(c.turns) > 1), "span_s": round(trace.span_s, 3),
+        "rate_per_s": round(trace.rate, 4), "block_tokens": trace.block_tokens,
+        "prompt_tokens_p50_p99_max": [pct(prompts, 0.5), pct(prompts, 0.99), prompts[-1]],
+        "output_tokens_p50_p99_max": [pct(outputs, 0.5), pct(outputs, 0.99), outputs[-1]],
+        "sha256": trace.sha256,
+    }  # fmt: skip

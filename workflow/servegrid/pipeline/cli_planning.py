@@ -1,5 +1,6 @@
-"""``servegrid preflight`` and ``servegrid estimate``: the commands before a run (:mod:`servegrid.planning`),
-registered on the ``servegrid`` parser by :func:`add_commands`."""
+"""``servegrid preflight``, ``servegrid estimate`` and ``servegrid trace``: the commands before a run
+(:mod:`servegrid.planning`; a replayed trace, servegrid.modes.trace_source), registered on the ``servegrid`` parser
+by :func:`add_commands`."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def cmd_estimate(experiment: Experiment, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(experiment: Experiment, args: argparse.Namespace) -> int:
+    import json
+
+    from servegrid.modes import trace_source
+
+    replayed = trace_source.replayed(experiment.workload(args.mode).settings)
+    if args.action == "show":
+        print(json.dumps(trace_source.describe(replayed), indent=2, ensure_ascii=False))
+    elif args.out:
+        atomic.write_text(args.out, trace_source.to_jsonl(replayed))
+        print(args.out)
+    else:
+        print(trace_source.to_jsonl(replayed), end="")
+    return 0
+
+
 def add_commands(sub: Any, add: Callable[[Any, str, str], argparse.ArgumentParser]) -> None:
     pre_p = add(sub, "preflight", "check each configuration with your engine's own parser, the checkpoint and the host")
     pre_p.add_argument("names", nargs="*", metavar="NAME", help="configurations (default: all)")
@@ -43,3 +60,11 @@ def add_commands(sub: Any, add: Callable[[Any, str, str], argparse.ArgumentParse
     est_p.add_argument("--cores", type=int, help="the --cores you will give Snakemake (default: the advice)")
     est_p.add_argument("--json", help="also write the estimate to this file")
     est_p.set_defaults(func=cmd_estimate)
+    trace_p = add(sub, "trace", "the trace a trace mode replays (its window), as the cells see it")
+    trace_sub = trace_p.add_subparsers(dest="action", required=True)
+    show_p = add(trace_sub, "show", "its size, pace, lengths and hash")
+    write_p = add(trace_sub, "write", "as Mooncake JSONL (the generated one too), to stdout or --out")
+    write_p.add_argument("--out", help="file to write (atomically)")
+    for p in (show_p, write_p):
+        p.add_argument("--mode", default="trace", help="the workload mode (default: trace)")
+        p.set_defaults(func=cmd_trace)
