@@ -70,6 +70,28 @@ def shared_config(model_dir: Path) -> dict[str, Any]:
                 "tokens_per_turn": 128,
                 "output_tokens": 16,
             },
+            # A generated trace at 1x (tests/integration/test_trace_on_vllm.py): blocks of 128 tokens, the CPU
+            # build's cache block, steady arrivals one a second with short outputs, so that no request waits on
+            # another's prefill and the hit rate the server counts is the trace's own reuse.
+            "trace": {
+                "source": {
+                    "generate": {
+                        "seed": 3,
+                        "duration_s": 12,
+                        "rate": 1.0,
+                        "burstiness": 4.0,
+                        "input_median": 160,
+                        "output_median": 4,
+                        "max_output": 6,
+                        "max_input": 1024,
+                        "system_prompt_blocks": 2,
+                        "think_mean_s": 0.3,
+                    }
+                },
+                "block_tokens": 128,
+                "speedups": [1],
+                "open_loop": {"ramp_s": 0},
+            },
         },
         "operations": {"startup_timeout_s": 600, "shutdown_timeout_s": 20, "request_timeout_s": 300},
     }

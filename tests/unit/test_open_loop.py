@@ -306,5 +306,8 @@ def test_multi_turn_conversations_arrive_at_the_rate_and_each_turn_follows_its_t
     assert measured["send_delay_s"].max() < 0.05
     assert row["load"] == "r5" and bool(row["open_loop"]) and not row["saturated"]
     assert row["ttft_turn2_p50"] is not None
+    # In requests/s, as the achieved rate and goodput are: 5 conversations/s of 3 turns (a verdict comparing
+    # 15 requests/s of goodput with 5 offered would pass a server three times too slow).
+    assert row["offered_rate"] == 15.0 and row["achieved_rate"] < 16
     (run,) = meta["open_loop"]
     assert run["ramp_requests"] == 1  # conversations, not requests: the one due at 0

@@ -224,7 +224,7 @@ def test_the_report_shows_what_was_replayed_and_the_speedups_each_configuration_
     """Two speedups of a small generated trace: the trace's section shows its shape figure, the open-loop section
     names each cell by its speedup and the verdict says up to which speedup the configuration kept up, in both
     languages (HTML and PDF)."""
-    from servegrid.reporting import document, figures
+    from servegrid.reporting import document, figures, interchange, run_comparison
 
     source = {"generate": {"seed": 5, "duration_s": 4, "rate": 3, "input_median": 48, "output_median": 3,
                            "max_input": 200, "max_output": 4, "session_share": 0.2, "think_mean_s": 0.1}}  # fmt: skip
@@ -247,3 +247,11 @@ def test_the_report_shows_what_was_replayed_and_the_speedups_each_configuration_
         open_section = page.split('id="open-loop"')[1].split("</section>")[0]
         assert sustained in open_section and "· 1,00×" in open_section  # the cells, named by their speedup
         assert pdf.stat().st_size > 10_000
+    # The vllm bench serve export: the real offered rate, no burstiness (the trace's own schedule).
+    interchange.write_bench_results(pd.read_parquet(tables.requests), summary, "calibration", tmp_path / "bench")
+    exported = json.loads((tmp_path / "bench" / "trace" / "honest" / "ctx0_x2.json").read_text())
+    assert exported["request_rate"] == pytest.approx(summary.iloc[1]["offered_rate"]) and exported["burstiness"] is None
+    assert exported["arrival_pattern"] == "trace"
+    # servegrid compare matches trace cells (a run against itself: nothing moved), named by speedup.
+    compared = run_comparison.compare_runs(tmp_path / "tables", tmp_path / "tables")
+    assert sorted(compared["cell"]) == ["honest/trace/ctx0_x1", "honest/trace/ctx0_x2"] and not compared["moved"].any()

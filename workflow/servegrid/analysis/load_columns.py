@@ -12,6 +12,8 @@ def load_columns(
     n_valid: int,
     window_s: float | None,
     arrival: dict[str, Any] | None,
+    requests_per_arrival: float = 1.0,
+    n_measured: int = 0,
 ) -> dict[str, Any]:
     """The cell's load, and for an open-loop cell what its runs did (servegrid.modes.open_loop), every repeat
     together: the rate it achieved, whether it saturated, how long its ramp and drain were."""
@@ -21,17 +23,23 @@ def load_columns(
     columns: dict[str, Any] = {
         "load": load,
         "open_loop": open_loop,
-        "offered_rate": rate if open_loop else None,
+        # Requests/s, as the achieved rate and goodput are: a multi_turn arrival (a conversation) brings each turn.
+        "offered_rate": rate * requests_per_arrival if open_loop else None,
         "arrival_pattern": (arrival or {}).get("pattern") if open_loop else None,
         "burstiness": (arrival or {}).get("burstiness") if open_loop else None,
     }
-    names = ("achieved_rate", "saturated", "not_sent", "peak_in_flight", "ramp_s", "drain_s", "ramp_requests",
-             "drain_requests")  # fmt: skip
+    names = ("achieved_rate", "scheduled_rate", "saturated", "not_sent", "peak_in_flight", "ramp_s", "drain_s",
+             "ramp_requests", "drain_requests")  # fmt: skip
     if not open_loop or not runs:
         return columns | dict.fromkeys(names)
     return columns | {
         # Measured requests answered in full, per second of the measured arrivals' span.
         "achieved_rate": n_valid / window_s if window_s else None,
+        # What the seeded schedule itself offered in that window (sent or not): 30 Poisson arrivals span ±18%
+        # around their nominal rate, so goodput is judged against this, the same for every configuration.
+        "scheduled_rate": (n_measured + requests_per_arrival * sum(r["not_sent"] for r in runs)) / window_s
+        if window_s
+        else None,
         "saturated": any(r["saturated"] for r in runs),
         "not_sent": sum(r["not_sent"] for r in runs),
         "peak_in_flight": max(r["peak_in_flight"] for r in runs),

@@ -4,10 +4,12 @@ judged alike, their offered rates being the trace's times each speedup: the row 
 
 An open-loop cell **sustains** its offered rate when it is valid, not saturated, meets its mode's objectives
 (``slo:``, judged as for the production table: servegrid.analysis.slo) and its goodput (requests that met every
-objective, per second of the measured window) is at least ``verdict.goodput_share`` of the offered rate. A
-configuration's **sustainable rate** is the highest offered rate that it and every lower rate sustain; its capacity
-lies between that rate and the next rate measured, which it did not sustain (none: "at least"). A mode without
-objectives is judged by goodput alone, every answered request counting.
+objective, per second of the measured window) is at least ``verdict.goodput_share`` of the rate its schedule offered
+in that window (``scheduled_rate``: the seeded arrivals' own rate there, the same for every configuration; a few
+dozen Poisson arrivals stray well off the nominal rate, by ±18% at 30). A configuration's **sustainable rate** is
+the highest offered rate that it and every lower rate sustain; its capacity lies between that rate and the next rate
+measured, which it did not sustain (none: "at least"). A mode without objectives is judged by goodput alone, every
+answered request counting.
 
 The ratio of two configurations' sustainable rates gets a 95% bootstrap interval: each cell's measured requests
 are resampled (2,000 times, a seed per cell), each resample judged as above, and the sustainable rates recomputed
@@ -45,9 +47,15 @@ def cell_sustains(row: dict[str, Any], share: float) -> tuple[bool, str | None]:
     goodput = row.get("goodput_rps")
     if goodput is None or pd.isna(goodput):  # no objectives: every answered request counts
         goodput = row.get("achieved_rate")
-    if goodput is None or pd.isna(goodput) or goodput < share * float(row["offered_rate"]):
+    if goodput is None or pd.isna(goodput) or goodput < share * _scheduled(row):
         return False, "goodput"
     return True, None
+
+
+def _scheduled(row: dict[str, Any]) -> float:
+    """The rate the seeded schedule offered in the cell's measured window (load_columns), else the nominal one."""
+    value = row.get("scheduled_rate")
+    return float(row["offered_rate"]) if value is None or pd.isna(value) else float(value)
 
 
 def _sustained(rates: list[float], passes: list[bool]) -> int:
@@ -143,7 +151,7 @@ def _resampled_sustainable(
     """The configuration's sustainable rate in each of RESAMPLES resamples of its cells' requests (0: none)."""
     passes = np.zeros((len(own), RESAMPLES), dtype=bool)
     for i, row in enumerate(own):
-        key = (row["configuration"], row["mode"], row["context"], float(row["offered_rate"]))
+        key = (row["configuration"], row["mode"], row["context"], float(row["rate"]))  # the cell's own key
         requests = by_cell.get(key)
         fixed_ok, _ = cell_sustains({**row, "slo_met": True, "goodput_rps": float("inf")}, share)
         if requests is None or requests.empty or not fixed_ok:  # invalid or saturated: in every resample
@@ -163,7 +171,7 @@ def _resampled_sustainable(
             met_all = requests["error"].isna().to_numpy()[picks]
             judged = np.ones(RESAMPLES, dtype=bool)
         goodput = met_all.sum(axis=1) / window_s if window_s > 0 else np.zeros(RESAMPLES)
-        passes[i] = judged & (goodput >= share * float(row["offered_rate"]))
+        passes[i] = judged & (goodput >= share * _scheduled(row))
     rates = np.array([float(r["offered_rate"]) for r in own])
     held = np.cumprod(passes, axis=0).sum(axis=0)  # the lowest rates passing, without a gap, per resample
     return np.where(held > 0, rates[np.maximum(held - 1, 0)], 0.0)

@@ -97,7 +97,10 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     active_s = meta.get("duration_s")
     output_tokens = rows.floats("output_tokens_reported", valid).sum()
     row["output_tps_total"] = float(output_tokens / active_s) if n_valid and active_s and active_s > 0 else None
-    row.update(load_columns(cell, meta.get("open_loop"), n_valid, active_s, meta["settings"].get("arrival")))
+    per_arrival = mode.requests_per_arrival(meta["settings"]["workload"])
+    row.update(
+        load_columns(cell, meta.get("open_loop"), n_valid, active_s, meta["settings"].get("arrival"), per_arrival)
+    )
     row["speedup"] = meta["settings"].get("speedup")  # a replayed trace's (None for every other cell)
     # Every mode's own columns in every row, so the table has one schema: None where not applicable.
     row.update(dict.fromkeys(c for m in modes.registered() for c in m.summary_columns))

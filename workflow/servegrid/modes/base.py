@@ -85,7 +85,10 @@ class Mode:
     # Settings the mode derives when the config is read (a trace's content hash), merged into its settings: what
     # its cells depend on beyond what the config says. May raise ConfigError naming what is wrong.
     resolve: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
-    # A replayed trace's arrival rate at 1x, requests/s: each speedup's offered rate is this times the speedup.
+    # Requests per open-loop arrival (multi_turn: a conversation's turns): a cell's offered rate in requests/s is
+    # its arrival rate times this, which is what its achieved rate and goodput are compared with.
+    requests_per_arrival: Callable[[Mapping[str, Any]], float] = lambda workload: 1.0
+    # A replayed trace's request rate at 1x, requests/s: each speedup's offered rate is this times the speedup.
     trace_rate: Callable[[Mapping[str, Any]], float] = lambda workload: 0.0
     # Where the longest request comes from ("line 17 of t.jsonl"), for the context-limit refusal; None: its context.
     longest_where: Callable[[Mapping[str, Any]], str] | None = None

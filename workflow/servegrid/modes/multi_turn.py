@@ -209,5 +209,7 @@ MODE = register(
             for t in range(w["turns"])
         ),
         describe=lambda w: {"turns": w["turns"], "per_turn": w["tokens_per_turn"]},
+        # Its rate is of conversations; each brings every turn's request.
+        requests_per_arrival=lambda w: float(w["turns"]),
     )
 )

@@ -160,7 +160,8 @@ async def measure(
     prompt; a conversation) and ``send(index, phase, unit, due_ns)`` runs (default: one completion of the prompt)."""
     offsets, ramp = load.schedule()
     window_end = ramp + load.requests
-    # Built before anything is in flight: a prompt may ask the server's tokenizer.
+    # Before anything is in flight: a prompt may ask the server's tokenizer (a trace's prompts are built lazily,
+    # per arrival, from blocks whose tokenizer calls are done by then).
     units = prepare([(0, i) for i in range(len(offsets))])
     outcome = OpenLoopOutcome(ramp_requests=ramp)
     measured_left = load.requests

@@ -16,8 +16,8 @@ import asyncio
 import random
 import statistics
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, overload
 
 import pandas as pd
 
@@ -45,22 +45,42 @@ class BlockPrompts:
         self.opening = builder.marker("trace block")
         self.digits = [builder.tokenize(d)[-1] for d in DIGITS]
         self.closing = builder.tokenize("] ")
-        self._blocks: dict[int, list[int]] = {}
 
     def block(self, hash_id: int) -> list[int]:
-        tokens = self._blocks.get(hash_id)
-        if tokens is None:
-            # The id first: two blocks part at their first tokens, so no cache block of any size matches across them.
-            head = ([self.digits[int(c)] for c in str(abs(hash_id))] + self.opening + self.closing)[: self.block_tokens]
-            rng = random.Random(f"{self.builder.seed}/{self.builder.nonce}/block {hash_id}")
-            tokens = self._blocks[hash_id] = head + self.builder.body(self.block_tokens - len(head), rng)
-        return tokens
+        """Block ``hash_id``'s tokens, made afresh each time (microseconds, deterministic): a day-long trace's
+        blocks kept in memory would hold gigabytes."""
+        # The id first: two blocks part at their first tokens, so no cache block of any size matches across them.
+        head = ([self.digits[int(c)] for c in str(abs(hash_id))] + self.opening + self.closing)[: self.block_tokens]
+        rng = random.Random(f"{self.builder.seed}/{self.builder.nonce}/block {hash_id}")
+        return head + self.builder.body(self.block_tokens - len(head), rng)
 
     def prompt(self, request: TraceRequest) -> list[int]:
         out: list[int] = []
         for hash_id in request.hash_ids:
             out.extend(self.block(hash_id))
         return out[: request.input_tokens]
+
+
+class ArrivalPrompts(Sequence[list[list[int]]]):
+    """Each arrival's prompts (one per turn), built when the arrival is sent: the tokenizer was asked once, in
+    BlockPrompts, and a long trace's prompts all built before the first send would fill the memory."""
+
+    def __init__(self, trace: Trace, prompts: BlockPrompts, indices: list[int]) -> None:
+        self.trace, self.prompts, self.indices = trace, prompts, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, position: int) -> list[list[int]]: ...
+
+    @overload
+    def __getitem__(self, position: slice) -> list[list[list[int]]]: ...
+
+    def __getitem__(self, position: int | slice) -> list[list[int]] | list[list[list[int]]]:
+        if isinstance(position, slice):
+            return [self[i] for i in range(*position.indices(len(self)))]
+        return [self.prompts.prompt(turn) for turn in self.trace.conversations[self.indices[position]].turns]
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
@@ -76,8 +96,8 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     await send_one_by_one(ctx, "warmup", warmups)
     first_ms = trace.conversations[0].arrival_ms
 
-    def prepare(units: list[tuple[int, int]]) -> list[list[list[int]]]:
-        return [[prompts.prompt(turn) for turn in trace.conversations[i].turns] for _, i in units]
+    def prepare(units: list[tuple[int, int]]) -> ArrivalPrompts:
+        return ArrivalPrompts(trace, prompts, [i for _, i in units])
 
     async def arrives(index: int, phase: str, turn_prompts: list[list[int]], due_ns: int) -> None:
         """One arrival: a request, or a session's turns one after another (each due at its own timestamp or its

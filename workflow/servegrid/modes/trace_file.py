@@ -86,12 +86,14 @@ class Trace:
 
     @property
     def rate(self) -> float:
-        """Arrivals (conversations) per second at 1× speed: over the window's stated length, else (arrivals − 1)
-        over their span."""
+        """Requests per second at 1× speed, a conversation's every turn counted (what goodput is compared with):
+        over the window's stated length, else the arrivals' rate over their span times requests per arrival."""
         if self.window_s:
-            return len(self.conversations) / self.window_s
+            return len(self.requests) / self.window_s
         span = self.span_s
-        return (len(self.conversations) - 1) / span if span > 0 else 0.0
+        if span <= 0:
+            return 0.0
+        return (len(self.conversations) - 1) / span * len(self.requests) / len(self.conversations)
 
     def window(self, start_s: float, duration_s: float | None) -> Trace:
         """The arrivals from ``start_s`` (after the first) for ``duration_s`` seconds (None: to the end)."""

@@ -95,7 +95,8 @@ def _load(cell: dict[str, Any]) -> dict[str, Any]:
     # Open loop: --request-rate with --burstiness (gamma shape; 1 is Poisson). A constant schedule has no
     # burstiness in vllm bench serve (it would be an infinite shape): null, and the pattern said beside it.
     pattern = cell.get("arrival_pattern")
-    burstiness = None if pattern == "constant" else float(cell.get("burstiness") or 1.0)
+    # A replayed trace has its own arrival times (AIPerf's fixed schedule): no burstiness, the pattern "trace".
+    burstiness = None if pattern in ("constant", "trace") else float(cell.get("burstiness") or 1.0)
     return {"request_rate": float(rate), "burstiness": burstiness, "max_concurrency": None,
             "arrival_pattern": pattern}  # fmt: skip
 

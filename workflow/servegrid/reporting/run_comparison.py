@@ -131,4 +131,7 @@ def write_html(frame: pd.DataFrame, old: str, new: str, lang: str, out: Path | s
 
 
 def _load(row: dict[str, Any]) -> str:
+    speedup = row.get("speedup", row.get("speedup_new"))  # merged rows carry each run's
+    if speedup is not None and not pd.isna(speedup):  # a replayed trace's cell: named by its speedup
+        return f"x{rate_label(float(speedup))}"
     return f"r{rate_label(float(row['rate']))}" if row.get("rate") else f"c{row['concurrency']}"

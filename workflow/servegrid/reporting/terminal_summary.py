@@ -71,7 +71,8 @@ def text(experiment: Experiment) -> str:
             continue
         winner = "" if intervals.missing(row.get("winner")) else str(row["winner"]).replace(",", " + ")
         rows.append([_class_title(row["class_id"]), OUTCOME.get(row["outcome"], row["outcome"]), winner, _factor(row)])
-    lines += table(rows) if len(rows) > 1 else ["  no workload class has data"]
+    lines += table(rows) if len(rows) > 1 else ["  no workload class has data (closed-loop cells)"]
+    lines += _rate_lines()
     lines += _gateway_lines(experiment)
     lines += _refused_lines()
     if len(invalid):
@@ -85,6 +86,32 @@ def text(experiment: Experiment) -> str:
     ]
     lines += ["", "Reports:", *(f"  {p}" for p in reports)] if reports else ["", "No report built yet."]
     return "\n".join(lines)
+
+
+def _rate_lines() -> list[str]:
+    """The verdict in rates (open-loop cells, rates.parquet): each configuration's highest sustained offered rate
+    (a replayed trace: and speedup), the next one measured, and what stopped it there."""
+    rates_path = Path(paths.RATES_TABLE)
+    rates = pd.read_parquet(rates_path) if rates_path.exists() else pd.DataFrame()
+    if rates.empty:
+        return []
+
+    def rate(value: Any, speedup: Any) -> str:
+        if intervals.missing(value):
+            return "none"
+        return f"{value:.2f}/s" + ("" if intervals.missing(speedup) else f" ({speedup:g}x)")
+
+    rows = [["workload", "context", "configuration", "sustains", "not at", "stopped by"]]
+    for r in rates.to_dict("records"):
+        trace = not (intervals.missing(r.get("sustainable_speedup")) and intervals.missing(r.get("speedup_below")))
+        rows.append([
+            modes.get(r["mode"]).short_title, "-" if trace else f"{int(r['context']):,}",
+            r["configuration"] + (" *" if r["winner"] else ""),
+            rate(r["sustainable_rate"], r.get("sustainable_speedup")), rate(r["capacity_below"], r.get("speedup_below"))
+            if not intervals.missing(r["capacity_below"]) else "-",
+            "" if intervals.missing(r.get("stopped_by")) else str(r["stopped_by"]),
+        ])  # fmt: skip
+    return ["", "Verdict in rates (open loop; * the highest)", *table(rows)]
 
 
 def _refused_lines() -> list[str]:
