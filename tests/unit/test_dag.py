@@ -62,3 +62,12 @@ def test_rates_plan_open_loop_cells_beside_the_closed_loop_ones(workdir, demo_ra
     assert planned(result)["cell"] == before["cell"] + 3 * 2 * contexts  # three configurations × two rates
     assert re.search(r"results/cells/\w+/decode/ctx\d+_r0\.5\.parquet", result.stdout)
     assert not (workdir / "results" / ".plans").exists()  # a dry run submits nothing: no plan written
+
+
+def test_the_traffic_demo_plans_rate_cells_and_trace_cells_by_speedup(workdir):
+    result = snakemake(workdir, "-n", "--profile", "profiles/cpu-traffic-demo", "report")
+    counts = planned(result)
+    assert counts["cell"] == 3 * (3 + 2)  # three configurations × (three rates + two speedups of the trace)
+    assert re.search(r"results/cells/both/trace/ctx0_x2\.parquet", result.stdout)
+    assert re.search(r"results/cells/ngram/single_turn/ctx1024_r8\.parquet", result.stdout)
+    assert counts["report_html"] == counts["report_pdf"] == 2
