@@ -210,6 +210,6 @@ MODE = register(
         ),
         describe=lambda w: {"turns": w["turns"], "per_turn": w["tokens_per_turn"]},
         # Its rate is of conversations; each brings every turn's request.
-        requests_per_arrival=lambda w: float(w["turns"]),
+        requests_per_arrival=lambda w: float(w.get("turns", 1)),
     )
 )

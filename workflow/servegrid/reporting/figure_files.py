@@ -113,9 +113,20 @@ def run_figures(experiment: Experiment) -> tuple[FigureSpec, ...]:
     return RUN_FIGURES + ((GOODPUT_FIGURE,) if experiment.slo else ()) + gateway + rates
 
 
+# Kinds drawn from closed-loop cells (by sessions): a mode measured in open loop only has none to draw.
+CLOSED_LOOP_KINDS = ("primary_by_concurrency", "probe_bars", "each_configuration_by_context", "throughput_latency")
+
+
+def mode_figures(experiment: Experiment, name: str) -> tuple[FigureSpec, ...]:
+    """The figures of mode ``name`` this run draws: without closed-loop cells (only rates or speedups), none of
+    those drawn by sessions."""
+    closed = bool(experiment.workload(name).concurrency)
+    return tuple(spec for spec in modes.get(name).figures if closed or spec.kind not in CLOSED_LOOP_KINDS)
+
+
 def figure_specs(experiment: Experiment) -> list[tuple[str | None, FigureSpec]]:
     """(mode name or None for a run figure, spec) for every figure of this experiment, in drawing order."""
-    return [(name, spec) for name in experiment.modes() for spec in modes.get(name).figures] + [
+    return [(name, spec) for name in experiment.modes() for spec in mode_figures(experiment, name)] + [
         (None, spec) for spec in run_figures(experiment)
     ]
 

@@ -12,6 +12,7 @@ from servegrid.reporting.figure_files import (
     GOODPUT_FIGURE,
     PANEL_KINDS,
     RATE_FIGURE,
+    mode_figures,
     run_figures,
     shown_contexts,
 )
@@ -25,7 +26,13 @@ class ModeContents(Contents):
             mode, workload = modes.get(name), self.experiment.workload_view(name)
             params = {key: self.format_value(value) for key, value in mode.describe(workload).items()}
             sections.append(
-                {"mode": mode, "params": params, "rows": self.mode_rows(name), "concurrency": workload["concurrency"]}
+                {
+                    "mode": mode,
+                    "params": params,
+                    "rows": self.mode_rows(name),
+                    "concurrency": workload["concurrency"],
+                    "figures": mode_figures(self.experiment, name),
+                }
             )
         return sections
 
