@@ -27,7 +27,7 @@ def test_a_replayed_trace_on_vllm_is_token_exact_and_hits_the_cache_as_the_trace
     run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()), runtime=runtime)
     frame = per_request.derive(cell_file.read_cell(out)[0].to_pandas())
     measured = frame[frame["phase"] == "measured"]
-    trace = trace_source.replayed(experiment.workload("trace").settings)
+    trace = trace_source.replayed(experiment.cell_workload(cell)).window
     assert len(measured) == len(trace.requests) and measured["valid"].all(), measured[["error"]]
     wanted = {(i, t): r for i, c in enumerate(trace.conversations) for t, r in enumerate(c.turns, start=1)}
     for r in measured.itertuples():  # the server's own count of each prompt, and the exact output

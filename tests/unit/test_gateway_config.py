@@ -157,8 +157,8 @@ def _requests(shift_s: float, n: int, seed: int) -> pd.DataFrame:
 
 def test_the_added_latency_is_the_shift_with_an_interval_around_it():
     direct, through = _requests(0.0, 400, 1), _requests(0.020, 400, 2)
-    check = {("a", "decode", 512, 1, 0.0): {"check": {"per_chunk_usage": False, "chunks_direct": 16, "chunks_proxy": 16,
-                                                 "same_text": True}, "facts": {"version": "1.106.12"}}}  # fmt: skip
+    stream_check = {"per_chunk_usage": False, "chunks_direct": 16, "chunks_proxy": 16, "same_text": True}
+    check = {("a", "decode", 512, 1, 0.0, ""): {"check": stream_check, "facts": {"version": "1.106.12"}}}
     (row,) = gateway_cost.added_latency(direct, through, check).to_dict("records")
     assert row["ttft_added_p50_ci_low_s"] < row["ttft_added_p50_s"] < row["ttft_added_p50_ci_high_s"]
     assert 0.017 < row["ttft_added_p50_s"] < 0.023

@@ -21,9 +21,10 @@ from servegrid.engines.base import PrefixCache
 from servegrid.errors import ConfigError
 from servegrid.modes import trace_source
 from servegrid.modes.prompts import PromptBuilder
-from servegrid.modes.trace import BlockPrompts, reusable_tokens
+from servegrid.modes.trace import reusable_tokens
 from servegrid.modes.trace_file import parse_mooncake
 from servegrid.modes.trace_generator import TraceShape, generate
+from servegrid.modes.trace_prompts import BlockPrompts
 from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.records import cell_file
@@ -148,8 +149,13 @@ def test_a_trace_request_longer_than_the_context_limit_is_refused_before_anythin
         ConfigError, match=r"mooncake_conversation_head.jsonl:7 holds 10900 tokens .* more than the 8192"
     ):
         Experiment(raw)
-    raw["workloads"]["trace"]["window"] = {"start_s": 3, "duration_s": 2.5}  # lines 8-11: none too long
-    assert [c.id for c in Experiment(raw).cells()] == ["honest/trace/ctx0_x1"]
+    raw["workloads"]["trace"]["windows"] = [{"start_s": 3, "duration_s": 2.5}]  # lines 8-11: none too long
+    raw["workloads"]["trace"]["open_loop"] = {"max_in_flight": 2}  # its drain: lines 12-13, not too long either
+    assert [c.id for c in Experiment(raw).cells()] == ["honest/trace/ctx0_x1_w3+2.5"]
+    raw["workloads"]["trace"]["open_loop"] = {"max_in_flight": 64}  # a drain that reaches line 17 (8,773 tokens)
+    with pytest.raises(ConfigError, match=r"mooncake_conversation_head.jsonl:17 holds 8773 tokens"):
+        Experiment(raw)
+    raw["workloads"]["trace"]["open_loop"] = {"max_in_flight": 2}
     raw["workloads"]["trace"]["source"] = {"file": str(MOONCAKE_SLICE), "generate": {}}
     with pytest.raises(ConfigError, match=r"give either file .* or generate"):
         Experiment(raw)
@@ -201,7 +207,7 @@ def test_a_replay_is_token_exact_on_schedule_and_hits_the_cache_as_the_trace_reu
     summary, requests = replay(experiment, sandbox, tmp_path)
     row = summary.iloc[0]
     assert row["load"] == "x4" and row["speedup"] == 4 and bool(row["valid"]), row["invalid_reasons"]
-    trace = trace_source.replayed(experiment.workload("trace").settings)
+    trace = trace_source.replayed(experiment.cell_workload(experiment.cells()[0])).window
     measured = requests[requests["phase"] == "measured"]
     assert len(measured) == len(trace.requests) and measured["error"].isna().all()
     expected = {(i, t): r for i, c in enumerate(trace.conversations) for t, r in enumerate(c.turns, start=1)}

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from servegrid.analysis import verdict
-from servegrid.analysis.requests_table import CELL_KEYS
+from servegrid.analysis.requests_table import CELL_KEYS, cell_key, with_window
 from servegrid.analysis.summary_table import summarize
 from servegrid.config import Experiment
 from servegrid.stats import intervals, sampling
@@ -54,7 +54,7 @@ def added_latency(direct: pd.DataFrame, proxied: pd.DataFrame, checks: dict[tupl
     """One row per cell measured both ways: each figure's p50 and p99 direct and through the gateway, what the
     gateway added (with its interval), the gateway it went through and what the gateway check found for that cell
     (``checks``: each cell file's ``gateway`` record, by cell key)."""
-    direct, proxied = _valid(direct), _valid(proxied)
+    direct, proxied = with_window(_valid(direct)), with_window(_valid(proxied))
     by_cell = dict(tuple(proxied.groupby(CELL_KEYS, sort=False))) if len(proxied) else {}
     rows = []
     for key, own in direct.groupby(CELL_KEYS, sort=False) if len(direct) else ():
@@ -120,9 +120,7 @@ def tables(
     changes = verdict_changes(pd.DataFrame(), pd.DataFrame())
     if experiment.route != "both" or proxied.empty:
         return pd.DataFrame(), changes
-    checks = {
-        tuple(m["cell"].get(k, 0.0) for k in CELL_KEYS): m.get("gateway") for m in metas if m.get("route") != "proxy"
-    }
+    checks = {cell_key(m["cell"]): m.get("gateway") for m in metas if m.get("route") != "proxy"}
     added = added_latency(direct, proxied, checks)
     proxy_metas = [m for m in metas if m.get("route") == "proxy"]
     proxy_summary = summarize(proxied, proxy_metas, experiment)

@@ -19,7 +19,7 @@ def load_columns(
     together: the rate it achieved, whether it saturated, how long its ramp and drain were."""
     rate = float(cell.get("rate") or 0.0)
     open_loop = rate > 0 and runs is not None
-    load = cell["id"].rsplit("_", 1)[-1]
+    load = cell["id"].rsplit("/", 1)[-1].split("_", 1)[1]  # after ctx<N>_: c4, r0.5, x2, x2_w600+300
     columns: dict[str, Any] = {
         "load": load,
         "open_loop": open_loop,

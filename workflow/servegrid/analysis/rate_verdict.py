@@ -25,10 +25,11 @@ import numpy as np
 import pandas as pd
 
 from servegrid.analysis import slo
+from servegrid.analysis.requests_table import CELL_KEYS, SERIES_KEYS, with_window
 from servegrid.config.sections import Objective
 from servegrid.stats import intervals, sampling
 
-COLUMNS = ["mode", "context", "configuration", "sustainable_rate", "capacity_below", "stopped_by",
+COLUMNS = ["mode", "context", "window", "configuration", "sustainable_rate", "capacity_below", "stopped_by",
            "measured_rates", "sustained_rates", "goodput_rps", "winner", "ratio_to_baseline", "ratio_ci_low",
            "ratio_ci_high", "sustainable_speedup", "speedup_below"]  # fmt: skip
 RESAMPLES = 2000
@@ -74,14 +75,15 @@ def rate_table(
     share: float,
     min_factor: float = 1.05,
 ) -> pd.DataFrame:
-    """One row per mode × context × configuration of the open-loop cells (empty without any)."""
+    """One row per mode × context (× a trace's window) × configuration of the open-loop cells (empty without any)."""
     if summary.empty or "open_loop" not in summary or not summary["open_loop"].fillna(False).astype(bool).any():
         return pd.DataFrame(columns=COLUMNS)
-    cells = summary[summary["open_loop"].fillna(False).astype(bool)]
-    measured = requests[requests["phase"] == "measured"] if len(requests) else requests
-    by_cell = {key: rows for key, rows in measured.groupby(["configuration", "mode", "context", "rate"], sort=False)}
+    cells = with_window(summary[summary["open_loop"].fillna(False).astype(bool)])
+    measured = with_window(requests[requests["phase"] == "measured"] if len(requests) else requests)
+    by_cell = {key: rows for key, rows in measured.groupby(CELL_KEYS, sort=False)} if len(measured) else {}
     rows: list[dict[str, Any]] = []
-    for (mode, context), group in cells.groupby(["mode", "context"], sort=False):
+    # A trace's windows are different traffic: each its own sweep of speedups.
+    for (mode, context, window), group in cells.groupby(SERIES_KEYS, sort=False):
         goals = objectives.get(str(mode), ())
         names = [name for name in order if (group["configuration"] == name).any()]
         resampled: dict[str, np.ndarray] = {}
@@ -92,7 +94,7 @@ def rate_table(
             held = _sustained(rates, [ok for ok, _ in judged])
             goodput = own[held - 1].get("goodput_rps") if held else None
             rows.append({
-                "mode": mode, "context": int(context), "configuration": name,
+                "mode": mode, "context": int(context), "window": str(window), "configuration": name,
                 "sustainable_rate": rates[held - 1] if held else None,
                 "capacity_below": rates[held] if held < len(rates) else None,
                 "stopped_by": judged[held][1] if held < len(rates) else None,
@@ -151,7 +153,7 @@ def _resampled_sustainable(
     """The configuration's sustainable rate in each of RESAMPLES resamples of its cells' requests (0: none)."""
     passes = np.zeros((len(own), RESAMPLES), dtype=bool)
     for i, row in enumerate(own):
-        key = (row["configuration"], row["mode"], row["context"], float(row["rate"]))  # the cell's own key
+        key = tuple(row[k] for k in CELL_KEYS)  # the cell's own key
         requests = by_cell.get(key)
         fixed_ok, _ = cell_sustains({**row, "slo_met": True, "goodput_rps": float("inf")}, share)
         if requests is None or requests.empty or not fixed_ok:  # invalid or saturated: in every resample

@@ -5,6 +5,7 @@ A file that cannot be read back is moved aside and named, so that the next run m
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -15,8 +16,27 @@ from servegrid.errors import CellFileError
 from servegrid.records import cell_file
 
 # rate: requests/s offered to an open-loop cell, 0.0 for a closed-loop one (whose concurrency is its sessions; 0 for
-# an open-loop cell). Cell files from before rates existed have none: closed loop.
-CELL_KEYS = ["configuration", "mode", "context", "concurrency", "rate"]
+# an open-loop cell). window: a trace cell's window ("" for the whole trace and every other cell). Cell files from
+# before either existed have none: closed loop, no window.
+CELL_KEYS = ["configuration", "mode", "context", "concurrency", "rate", "window"]
+# The cells of one sweep of loads: a mode at one context (a trace: in one window), each configuration at each load.
+SERIES_KEYS = ["mode", "context", "window"]
+
+
+def cell_value(cell: Mapping[str, Any], key: str) -> Any:
+    """A cell file's ``cell`` entry at ``key``, with what a file from before that key existed means by its absence."""
+    return cell.get(key, "" if key == "window" else 0.0)
+
+
+def cell_key(cell: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(cell_value(cell, key) for key in CELL_KEYS)
+
+
+def with_window(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with a ``window`` column (tables from before windows existed have none: no window)."""
+    if "window" not in frame:
+        frame = frame.assign(window="")
+    return frame.assign(window=frame["window"].fillna("").astype(str))
 
 
 def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
@@ -47,10 +67,10 @@ def load_cells(paths: list[str]) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     # A file of an older schema lacks a newer column: it is filled with nulls.
     df = pa.concat_tables(tables, promote_options="default").to_pandas()
     counts = [t.num_rows for t in tables]
-    keys = {key: np.repeat(np.array([m["cell"].get(key, 0.0) for m in metas], dtype=object), counts)
+    keys = {key: np.repeat(np.array([cell_value(m["cell"], key) for m in metas], dtype=object), counts)
             for key in CELL_KEYS}  # fmt: skip
     cell_keys = pd.DataFrame(keys).astype({"context": "int64", "concurrency": "int64", "rate": "float64",
-                                           "configuration": "str", "mode": "str"})  # fmt: skip
+                                           "configuration": "str", "mode": "str", "window": "str"})  # fmt: skip
     df = pd.concat([cell_keys, df], axis=1)
     df["route"] = df["route"].fillna("direct") if "route" in df else "direct"  # files from before routes existed
     return df, metas + metas_by_route

@@ -17,7 +17,7 @@ from servegrid import modes
 from servegrid.analysis import slo
 from servegrid.analysis.cell_rows import HOOK_COLUMNS, CellRows
 from servegrid.analysis.load_columns import load_columns
-from servegrid.analysis.requests_table import CELL_KEYS
+from servegrid.analysis.requests_table import CELL_KEYS, cell_key, cell_value
 from servegrid.config import Experiment, Validity
 from servegrid.engines import metrics
 from servegrid.engines.base import PrefixCache
@@ -36,7 +36,7 @@ def _cell_summary(cell_rows: CellRows, meta: dict[str, Any], experiment: Experim
     server = meta["server"]
     tokens_ok = rows["prompt_tokens_ok"] & rows["output_tokens_ok"]
     row: dict[str, Any] = {
-        **{k: cell.get(k, 0.0) for k in CELL_KEYS},
+        **{k: cell_value(cell, k) for k in CELL_KEYS},
         "cell_id": cell["id"],
         "prefix_caching": conf.prefix_caching if conf else None,
         "speculative_method": (conf.speculative or {}).get("method") if conf else None,
@@ -254,13 +254,14 @@ def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experim
         columns["error_missing"] = df["error"].isna().to_numpy()
     for meta in metas:
         cell = meta["cell"]
-        positions = by_cell.get(tuple(cell.get(key, 0.0) for key in CELL_KEYS), np.empty(0, dtype=np.intp))
+        positions = by_cell.get(cell_key(cell), np.empty(0, dtype=np.intp))
         cell_rows = CellRows(columns, positions, modes.get(cell["mode"]).primary)
         rows.append(_cell_summary(cell_rows, meta, experiment))
     summary = pd.DataFrame(rows)
     if not summary.empty:
         # The grid's order: closed-loop cells (rate 0) by sessions, then open-loop ones by rate.
-        order = ["configuration", "mode", "context", "rate", "concurrency"]
+        # A trace's cells window by window, in the config's order.
+        order = ["configuration", "mode", "context", "window", "rate", "concurrency"]
         summary = summary.sort_values(order, key=_grid_order(experiment)).reset_index(drop=True)
     return summary
 
@@ -268,12 +269,15 @@ def summarize(df: pd.DataFrame, metas: list[dict[str, Any]], experiment: Experim
 def _grid_order(experiment: Experiment):  # type: ignore[no-untyped-def]
     configurations = list(experiment.configurations)
     mode_order = experiment.modes()
+    window_order = [label for w in experiment.workloads.values() for label in w.windows]
 
     def key(column: pd.Series) -> pd.Series:
         if column.name == "configuration":
             return column.map(lambda v: configurations.index(v) if v in configurations else len(configurations))
         if column.name == "mode":
             return column.map(lambda v: mode_order.index(v) if v in mode_order else len(mode_order))
+        if column.name == "window":
+            return column.map(lambda v: window_order.index(v) if v in window_order else len(window_order))
         return column
 
     return key

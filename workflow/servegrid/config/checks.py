@@ -37,8 +37,6 @@ class Experiment(Protocol):
     languages: list[str]
     report_baseline: str | None
 
-    def longest_request(self, mode: str, context: int) -> int: ...
-
 
 def check(experiment: Experiment) -> None:
     src = experiment.source
@@ -88,14 +86,15 @@ def _context_limits(experiment: Experiment) -> None:
         if limit is None:
             continue
         for mode, workload in experiment.workloads.items():
-            for context in workload.contexts:
-                need = experiment.longest_request(mode, context)
+            # Every window of a trace with its drain: the longest request must fit whichever cell sends it.
+            for context, settings in ((c, s) for c in workload.contexts for s in workload.variants()):
+                need = modes.get(mode).request_tokens(context, settings)
                 where = modes.get(mode).longest_where
                 if need > limit and where is not None:
                     raise ConfigError(
-                        f"workloads.{mode}: {where(workload.settings)} holds {need} tokens (prompt + output), more "
+                        f"workloads.{mode}: {where(settings)} holds {need} tokens (prompt + output), more "
                         f"than the {limit} that configuration '{name}' allows (its context limit in engine.args or "
-                        f"configurations.{name}.args); cut the trace or its window"
+                        f"configurations.{name}.args); cut the trace or its windows"
                     )
                 if need > limit:
                     raise ConfigError(

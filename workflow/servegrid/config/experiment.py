@@ -58,7 +58,7 @@ __all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Va
 MEASUREMENT_VERSION = 5  # 5: the measured phase in stages (sequential sampling); 4: /metrics parsed afterwards
 
 # Keys of a workload section that place it in the grid rather than shape what a cell measures.
-GRID_KEYS = ("enabled", "contexts", "concurrency", "rates", "speedups")
+GRID_KEYS = ("enabled", "contexts", "concurrency", "rates", "speedups", "windows")
 # Keys that shape open-loop cells only: part of those cells' settings, never of a closed-loop cell's (adding rates to
 # a mode reruns none of its closed-loop cells).
 OPEN_LOOP_KEYS = ("arrival", "open_loop")
@@ -94,7 +94,8 @@ class Experiment:
                 # A mode's sampling keys are resolved into sampling_rules; a sequential cell has no fixed
                 # count or time limit, so those defaults are not part of what it measures.
                 settings=(settings := self._mode_settings(mode, written)),
-                speedups=self._speedups(mode, written, settings),
+                speedups=tuple(float(x) for x in written.get("speedups", [])),
+                windows=self._windows(mode, written, settings),
             )
             for mode in enabled
             if (written := r["workloads"][mode]) is not None
@@ -137,16 +138,26 @@ class Experiment:
         except ConfigError as exc:
             raise ConfigError(f"{self.source}: workloads.{mode}: {exc}") from None
 
-    def _speedups(self, mode: str, written: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[float, float]:
-        """A trace mode's speedups, each with the offered rate it gives (requests/s); {} for other modes."""
-        speedups = [float(x) for x in written.get("speedups", [])]
-        rate = modes.get(mode).trace_rate(settings) if speedups else 0.0
-        if speedups and not rate > 0:
-            raise ConfigError(
-                f"{self.source}: workloads.{mode}: the replayed trace has no rate: its arrivals come at one instant "
-                "(give window.duration_s)"
-            )
-        return {x: rate * x for x in speedups}
+    def _windows(
+        self, mode: str, written: Mapping[str, Any], settings: Mapping[str, Any]
+    ) -> dict[str, Mapping[str, Any]]:
+        """A trace mode's windows: per label, its cells' settings (servegrid.modes.base.Mode.windows); {} for other
+        modes. The drain after a window is as many arrivals as the client may hold in flight."""
+        hook = modes.get(mode).windows
+        if hook is None or not written.get("speedups"):
+            return {}
+        drain = int(written["open_loop"]["max_in_flight"])
+        try:
+            windows = {label: dict(w) for label, w in hook({**settings, "windows": written["windows"]}, drain).items()}
+        except ConfigError as exc:
+            raise ConfigError(f"{self.source}: workloads.{mode}: {exc}") from None
+        for label, cell_workload in windows.items():
+            if not cell_workload["trace"]["rate"] > 0:
+                raise ConfigError(
+                    f"{self.source}: workloads.{mode}.windows: the window {label or 'of the whole trace'} has no "
+                    "rate: its arrivals come at one instant (give the window a duration_s)"
+                )
+        return windows
 
     @classmethod
     def from_file(cls, path: str | Path) -> Experiment:
@@ -169,28 +180,29 @@ class Experiment:
     def cells(self, configuration: str | None = None) -> list[Cell]:
         names = [configuration] if configuration else list(self.configurations)
         # Closed-loop cells first, then open-loop ones: each in the order the config lists its loads.
+        # A trace's cells window by window, each at every speedup.
         loads = {
-            m: [(c, 0.0, 0.0) for c in w.concurrency] + [(0, r, 0.0) for r in w.rates]
-            + [(0, rate, x) for x, rate in w.speedups.items()]
+            m: [(c, 0.0, 0.0, "") for c in w.concurrency] + [(0, r, 0.0, "") for r in w.rates]
+            + [(0, w.offered_rate(x, window), x, window) for window in w.windows for x in w.speedups]
             for m, w in self.workloads.items()
         }  # fmt: skip
         return [
-            Cell(name, w.mode, context, concurrency, rate, speedup)
+            Cell(name, w.mode, context, concurrency, rate, speedup, window)
             for name in names
             for w in self.workloads.values()
             for context in w.contexts
-            for concurrency, rate, speedup in loads[w.mode]
+            for concurrency, rate, speedup, window in loads[w.mode]
         ]
 
     def cell(self, configuration: str, mode: str, context: int, load: int | str) -> Cell:
         """The grid's cell at ``load``: sessions (an int, or ``"c4"``), an offered rate (``"r0.5"``) or a trace's
-        speedup (``"x2"``)."""
-        concurrency, rate, speedup = parse_load(load)
+        speedup in one of its windows (``"x2"``, ``"x2_w600+300"``)."""
+        concurrency, rate, speedup, window = parse_load(load)
         workload = self.workloads.get(mode)
         if speedup:
-            rate = workload.speedups.get(speedup, 0.0) if workload is not None else 0.0
+            rate = workload.offered_rate(speedup, window) if workload is not None else 0.0
         try:
-            wanted = Cell(configuration, mode, int(context), concurrency, rate, speedup)
+            wanted = Cell(configuration, mode, int(context), concurrency, rate, speedup, window)
         except ValueError:  # a speedup the mode does not have: no rate
             raise ConfigError(
                 f"{self.source}: cell {configuration}/{mode}/ctx{context}_{load} is not in the grid"
@@ -198,7 +210,7 @@ class Experiment:
         # Checked in place, not against self.cells(): Snakemake asks once per cell job, and rebuilding the
         # grid each time made the DAG grow with the square of the grid (docs/scale.md).
         if speedup:
-            in_load = workload is not None and speedup in workload.speedups
+            in_load = rate > 0  # the mode has that speedup and that window
         elif wanted.open_loop:
             in_load = workload is not None and wanted.rate in workload.rates
         else:
@@ -283,12 +295,12 @@ class Experiment:
         # An open-loop cell has no sessions: its rate and how requests arrive (only its settings carry them, so a
         # closed-loop cell's settings are what they were before rates existed).
         load: dict[str, Any] = {"concurrency": cell.concurrency}
-        if cell.speedup:  # a replayed trace: its own arrivals (the trace's identity is in the workload settings)
+        if cell.speedup:  # a replayed trace: its own arrivals (what the window replays is in its workload settings)
             window = workload.open_loop["open_loop"]
             load = {"concurrency": None, "rate": cell.rate, "speedup": cell.speedup, "arrival": {"pattern": "trace"},
-                    # requests: the replayed arrivals (what servegrid estimate and the Slurm time limit price)
+                    # requests: the window's arrivals (what servegrid estimate and the Slurm time limit price)
                     "open_loop": {"ramp_s": window["ramp_s"], "max_in_flight": window["max_in_flight"],
-                                  "requests": int(workload.settings.get("trace", {}).get("arrivals", 1))}}  # fmt: skip
+                                  "requests": int(self.cell_workload(cell)["trace"]["arrivals"])}}  # fmt: skip
         elif cell.open_loop:
             load = {"concurrency": None, "rate": cell.rate, **{k: dict(workload.open_loop[k]) for k in OPEN_LOOP_KEYS}}
         return routes | {
@@ -297,7 +309,7 @@ class Experiment:
             "mode": cell.mode,
             "context": cell.context,
             **load,
-            "workload": dict(workload.settings),
+            "workload": dict(self.cell_workload(cell)),
             # An open-loop cell measures a fixed count (open_loop.requests): the sequential rule's interval assumes
             # independent samples, and queueing makes neighbouring requests alike.
             "sampling": {
@@ -333,7 +345,11 @@ class Experiment:
     def _traces(self) -> dict[str, Any]:
         """A replayed trace's identity, where a mode replays one (its shape is drawn from the trace itself): absent
         otherwise, so that a run without a trace keeps its params."""
-        traces = {m: w.settings["trace"] for m, w in self.workloads.items() if "trace" in w.settings}
+        traces = {
+            m: w.settings["trace"] | ({"windows": {label: own["trace"] for label, own in w.windows.items()}}
+                                      if any(w.windows) else {})
+            for m, w in self.workloads.items() if "trace" in w.settings
+        }  # fmt: skip
         return {"traces": traces} if traces else {}
 
     def presentation(self) -> dict[str, Any]:
@@ -372,11 +388,17 @@ class Experiment:
             view |= {"rates": list(w.rates), **{k: dict(w.open_loop[k]) for k in OPEN_LOOP_KEYS}}
         if w.speedups:
             view |= {"speedups": list(w.speedups), "open_loop": dict(w.open_loop["open_loop"])}
+        if w.windows:  # what each window replays (the report names them): absent for a mode without windows
+            view |= {"windows": {label: cell_workload["trace"] for label, cell_workload in w.windows.items()}}
         return view
 
-    def longest_request(self, mode: str, context: int) -> int:
-        """Prompt + output tokens of the longest request of a cell of ``mode`` at ``context``."""
-        return modes.get(mode).request_tokens(context, self.workload(mode).settings)
+    def cell_workload(self, cell: Cell) -> Mapping[str, Any]:
+        """The workload settings of ``cell``: its mode's, or its trace window's (servegrid.modes.base.Mode.windows)."""
+        return self.workload(cell.mode).cell_settings(cell.window)
+
+    def longest_request(self, cell: Cell) -> int:
+        """Prompt + output tokens of the longest request of ``cell``."""
+        return modes.get(cell.mode).request_tokens(cell.context, self.cell_workload(cell))
 
 
 def canonical_json(obj: Any) -> str:

@@ -77,8 +77,24 @@ class Workload:
     settings: Mapping[str, Any]  # everything else: what shapes a cell's numbers (cell_settings' "workload")
     rates: tuple[float, ...] = ()  # open-loop offered rates, requests/s (servegrid.config.grid)
     open_loop: Mapping[str, Any] = field(default_factory=dict)  # arrival and open_loop: open-loop cells' settings
-    # A trace mode's speedups and the offered rate each gives (its replayed arrivals' rate times the speedup).
-    speedups: Mapping[float, float] = field(default_factory=dict)
+    # A trace mode's speedups, and its windows: per window's label, the settings of its cells (what they replay, and
+    # its rate at 1x: a cell's offered rate is that times its speedup).
+    speedups: tuple[float, ...] = ()
+    windows: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def cell_settings(self, window: str) -> Mapping[str, Any]:
+        """The workload settings of this mode's cells at ``window`` (a trace's; every other mode's: its settings)."""
+        return self.windows[window] if self.windows else self.settings
+
+    def variants(self) -> list[Mapping[str, Any]]:
+        """Every distinct workload settings its cells have: one per window of a trace, else the mode's."""
+        return list(self.windows.values()) or [self.settings]
+
+    def offered_rate(self, speedup: float, window: str) -> float:
+        """A trace cell's offered rate (requests/s); 0.0 where the mode has no such speedup or window."""
+        if speedup not in self.speedups or window not in self.windows:
+            return 0.0
+        return float(self.windows[window]["trace"]["rate"]) * speedup
 
 
 @dataclass(frozen=True)

@@ -83,14 +83,18 @@ class Mode:
     # The description's placeholders from the mode's settings (numbers and lists of numbers).
     describe: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda workload: {}
     # Settings the mode derives when the config is read (a trace's content hash), merged into its settings: what
-    # its cells depend on beyond what the config says. May raise ConfigError naming what is wrong.
+    # its cells depend on beyond what the config says (unless ``windows`` gives a cell its own). May raise
+    # ConfigError naming what is wrong.
     resolve: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     # Requests per open-loop arrival (multi_turn: a conversation's turns): a cell's offered rate in requests/s is
     # its arrival rate times this, which is what its achieved rate and goodput are compared with.
     requests_per_arrival: Callable[[Mapping[str, Any]], float] = lambda workload: 1.0
-    # A replayed trace's request rate at 1x, requests/s: each speedup's offered rate is this times the speedup.
-    trace_rate: Callable[[Mapping[str, Any]], float] = lambda workload: 0.0
-    # Where the longest request comes from ("line 17 of t.jsonl"), for the context-limit refusal; None: its context.
+    # A replayed trace's windows, its grid axis beside the speedups: from the mode's settings and the drain's arrivals
+    # (open_loop.max_in_flight), per window's label the settings of its cells, whose "trace" says what they replay and
+    # its rate at 1x (requests/s; each speedup's offered rate is this times the speedup). None: no such axis.
+    windows: Callable[[Mapping[str, Any], int], Mapping[str, Mapping[str, Any]]] | None = None
+    # Where the longest request of a cell's settings comes from ("the trace's request at t.jsonl:17"), for the
+    # context-limit refusal; None: its context.
     longest_where: Callable[[Mapping[str, Any]], str] | None = None
 
     def expected_hit_rate(

@@ -64,28 +64,33 @@ class OpenLoop:
     think_mean_s: float = 0.0  # multi_turn: between a reply and the next turn
     think_pattern: str = "exponential"
     # A replayed trace's arrivals (s after the first, speedup applied): the schedule, instead of one drawn at the
-    # rate. Its ramp is the arrivals due before ramp_s; every later one is measured; there is no drain.
+    # rate. Its ramp is the window's arrivals due before ramp_s, the rest of the window is measured (``requests``),
+    # and the arrivals after the window are the drain.
     replayed_offsets_s: tuple[float, ...] | None = None
+    replayed_ramp: int = 0
 
     @classmethod
     def for_cell(cls, settings: Mapping[str, Any]) -> OpenLoop | None:
         """A cell's open-loop load from its settings: a replayed trace's, a rate's, or None (closed loop)."""
         if settings.get("speedup"):
-            trace = trace_source.replayed(settings["workload"])
+            replay = trace_source.replayed(settings["workload"])
             window = settings["open_loop"]
-            return cls.replay(trace.due_offsets_s(float(settings["speedup"])), float(window["ramp_s"]),
-                              int(window["max_in_flight"]), int(settings["workload"]["seed"]))  # fmt: skip
+            return cls.replay(replay.sent.due_offsets_s(float(settings["speedup"])), len(replay.window.conversations),
+                              float(window["ramp_s"]), int(window["max_in_flight"]),
+                              int(settings["workload"]["seed"]))  # fmt: skip
         return cls.from_settings(settings) if settings.get("rate") else None
 
     @classmethod
-    def replay(cls, offsets_s: list[float], ramp_s: float, max_in_flight: int, seed: int) -> OpenLoop:
-        """The load of a trace replayed on its own schedule; ``rate``: its arrivals' mean rate."""
-        ramp = sum(1 for t in offsets_s if t < ramp_s)
-        measured = offsets_s[ramp:]
+    def replay(cls, offsets_s: list[float], in_window: int, ramp_s: float, max_in_flight: int, seed: int) -> OpenLoop:
+        """The load of a trace replayed on its own schedule: the first ``in_window`` arrivals are its window's (the
+        ramp, then the measured ones), the rest its drain; ``rate``: the measured arrivals' mean rate."""
+        ramp = min(sum(1 for t in offsets_s[:in_window] if t < ramp_s), in_window - 1)
+        measured = offsets_s[ramp:in_window]
         span = measured[-1] - measured[0] if len(measured) > 1 else 0.0
         rate = (len(measured) - 1) / span if span > 0 else 1.0
         return cls(rate=rate, arrival=Arrival("constant"), requests=len(measured), ramp_s=ramp_s,
-                   max_in_flight=max_in_flight, seed=seed, replayed_offsets_s=tuple(offsets_s))  # fmt: skip
+                   max_in_flight=max_in_flight, seed=seed, replayed_offsets_s=tuple(offsets_s),
+                   replayed_ramp=ramp)  # fmt: skip
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> OpenLoop:
@@ -108,7 +113,7 @@ class OpenLoop:
         Enough arrivals for the ramp, the measured window and a drain as long as ``max_in_flight`` arrivals
         (beyond that many the cell is saturated anyway)."""
         if self.replayed_offsets_s is not None:
-            return list(self.replayed_offsets_s), len(self.replayed_offsets_s) - self.requests
+            return list(self.replayed_offsets_s), self.replayed_ramp
         ramp_estimate = math.ceil(self.rate * self.ramp_s * 2) + 10
         while True:
             offsets = due_offsets_s(self.rate, ramp_estimate + self.requests + self.max_in_flight, self.arrival,

@@ -2,96 +2,45 @@
 
 The trace (servegrid.modes.trace_file: Mooncake JSONL or CSV, or the seeded generator) gives every arrival's
 time, prompt and output length and which fixed-size blocks of its prompt it shares with other requests
-(``hash_ids``). Each block id becomes one block of exactly ``block_tokens`` tokens, built once per cell run
-(:class:`BlockPrompts`), so requests that share ids in the trace share exactly those tokens on the wire, and the
-server's prefix cache sees the trace's own reuse. A session's turns go in order, each after the previous answer
-plus its delay; outputs are exact, as in every mode. Arrivals go out at their due times whatever the server does
-(servegrid.modes.open_loop), ``speedup`` times as fast as the trace: the grid's load axis (``ctx0_x2``: a trace
-cell has no context of its own, the trace gives every length). Primary figure: TTFT p50.
+(``hash_ids``). Each block id becomes one block of exactly ``block_tokens`` tokens, the same wherever it appears in
+the cell run (servegrid.modes.trace_prompts), so requests that share ids in the trace share exactly those tokens on
+the wire, and the server's prefix cache sees the trace's own reuse. A session's turns go in order, each after the
+previous answer plus its delay; outputs are exact, as in every mode. Arrivals go out at their due times whatever the
+server does (servegrid.modes.open_loop), ``speedup`` times as fast as the trace. Two grid axes: the speedups and the
+trace's ``windows`` (``ctx0_x2``: the whole trace at 2x; ``ctx0_x2_w600+300``: from 600 s for 300 s; a trace cell has
+no context of its own, the trace gives every length). After a window's arrivals come the trace's next ones, the
+drain, so the window's last requests meet the trace's own load. Primary figure: TTFT p50.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, overload
+from collections.abc import Mapping
+from typing import Any
 
 import pandas as pd
 
 from servegrid.errors import ConfigError
 from servegrid.modes import open_loop, trace_source
 from servegrid.modes.base import N_, FigureSpec, Mode, PrefixCache, Primary
-from servegrid.modes.prompts import PromptBuilder
 from servegrid.modes.registry import register
 from servegrid.modes.runner import MeasureHook, WorkloadContext, send_one_by_one
-from servegrid.modes.trace_file import Trace, TraceRequest
-
-# A block's id as tokens: one token per decimal digit, so that every block starts unlike any other while the
-# tokenizer is asked only a dozen times per cell, not once per block.
-DIGITS = "0123456789"
-
-
-class BlockPrompts:
-    """Token-exact prompts from block ids: block ``h`` is the same ``block_tokens`` tokens wherever it appears in
-    this cell run (``h``'s digits, a marker with the run's nonce, then corpus text seeded by ``h``), and a prompt
-    is its blocks, the last one cut to the prompt's length."""
-
-    def __init__(self, builder: PromptBuilder, block_tokens: int) -> None:
-        self.builder = builder
-        self.block_tokens = block_tokens
-        self.opening = builder.marker("trace block")
-        self.digits = [builder.tokenize(d)[-1] for d in DIGITS]
-        self.closing = builder.tokenize("] ")
-
-    def block(self, hash_id: int) -> list[int]:
-        """Block ``hash_id``'s tokens, made afresh each time (microseconds, deterministic): a day-long trace's
-        blocks kept in memory would hold gigabytes."""
-        # The id first: two blocks part at their first tokens, so no cache block of any size matches across them.
-        head = ([self.digits[int(c)] for c in str(abs(hash_id))] + self.opening + self.closing)[: self.block_tokens]
-        rng = random.Random(f"{self.builder.seed}/{self.builder.nonce}/block {hash_id}")
-        return head + self.builder.body(self.block_tokens - len(head), rng)
-
-    def prompt(self, request: TraceRequest) -> list[int]:
-        out: list[int] = []
-        for hash_id in request.hash_ids:
-            out.extend(self.block(hash_id))
-        return out[: request.input_tokens]
-
-
-class ArrivalPrompts(Sequence[list[list[int]]]):
-    """Each arrival's prompts (one per turn), built when the arrival is sent: the tokenizer was asked once, in
-    BlockPrompts, and a long trace's prompts all built before the first send would fill the memory."""
-
-    def __init__(self, trace: Trace, prompts: BlockPrompts, indices: list[int]) -> None:
-        self.trace, self.prompts, self.indices = trace, prompts, indices
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    @overload
-    def __getitem__(self, position: int) -> list[list[int]]: ...
-
-    @overload
-    def __getitem__(self, position: slice) -> list[list[list[int]]]: ...
-
-    def __getitem__(self, position: int | slice) -> list[list[int]] | list[list[list[int]]]:
-        if isinstance(position, slice):
-            return [self[i] for i in range(*position.indices(len(self)))]
-        return [self.prompts.prompt(turn) for turn in self.trace.conversations[self.indices[position]].turns]
+from servegrid.modes.trace_file import Trace
+from servegrid.modes.trace_prompts import ArrivalPrompts, BlockPrompts
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
-    trace = trace_source.replayed(ctx.workload)
+    replay = trace_source.replayed(ctx.workload)
+    trace = replay.sent  # the window's arrivals, then the drain's
     load = ctx.open_loop
     if load is None:
         raise ValueError("a trace cell is an open-loop cell (its load is a speedup)")
     prompts = BlockPrompts(ctx.builder, trace.block_tokens)
     # Warm-up: cold prompts of the trace's median length, none of them a trace block, so the cache holds nothing
     # of the trace when its first arrival comes.
-    median = int(statistics.median(r.input_tokens for r in trace.requests))
+    median = int(statistics.median(r.input_tokens for r in replay.window.requests))
     warmups = [ctx.builder.unique(median, f"warmup {i}") for i in range(ctx.workload["warmup_requests"])]
     await send_one_by_one(ctx, "warmup", warmups)
     first_ms = trace.conversations[0].arrival_ms
@@ -154,22 +103,37 @@ def reusable_tokens(trace: Trace, cache: PrefixCache) -> dict[tuple[int, int], i
 def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
     """The trace's own reuse over the measured requests (:func:`reusable_tokens`). An upper bound where requests
     sharing a prefix overlap in time: a block is cached once its computation is done."""
-    reusable = reusable_tokens(trace_source.replayed(settings["workload"]), cache)
+    reusable = reusable_tokens(trace_source.replayed(settings["workload"]).sent, cache)
     hits = sum(reusable.get((int(r.seq), int(r.turn)), 0) for r in measured.itertuples())
     total = float(measured["prompt_tokens_reported"].astype(float).sum())
     return hits / total if total else 0.0
 
 
 def resolve(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The replayed trace's identity (its content's hash, its size), part of every trace cell's settings."""
+    """The whole trace's identity (its content's hash, its size): what the report and its figures show. A cell's
+    settings hold what that cell replays instead (:func:`windows`)."""
     source = settings["source"]
     if (source.get("file") is None) == (source.get("generate") is None):
         raise ConfigError("source: give either file (a trace to replay) or generate (the seeded one)")
-    return {"trace": trace_source.identity(settings)}
+    return {"trace": trace_source.identity(trace_source.whole(settings))}
+
+
+def windows(settings: Mapping[str, Any], drain_arrivals: int) -> dict[str, dict[str, Any]]:
+    """Per window (by its label, the last part of its cells' names), the workload settings of its cells: the
+    window, the drain after it and what they replay (servegrid.modes.trace_source.cell_workload)."""
+    listed = trace_source.windows(settings)
+    if len(set(listed)) < len(listed):
+        raise ConfigError("windows: a window is listed twice")
+    return {w.label: trace_source.cell_workload(settings, w, drain_arrivals) for w in listed}
+
+
+def sent(settings: Mapping[str, Any]) -> Trace:
+    """What a cell sends, from its workload settings: its window's arrivals and its drain's."""
+    return trace_source.replayed(settings).sent
 
 
 def where_longest(settings: Mapping[str, Any]) -> str:
-    trace = trace_source.replayed(settings)
+    trace = sent(settings)
     return f"the trace's request at {trace.source}:{trace.longest().line}"
 
 
@@ -179,7 +143,7 @@ def median_request(trace: Trace) -> tuple[int, int, int]:
 
 
 def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
-    trace = trace_source.replayed(settings)
+    trace = trace_source.whole(settings)
     return {"requests": len(trace.requests), "arrivals": len(trace.conversations), "span": round(trace.span_s),
             "block": trace.block_tokens}  # fmt: skip
 
@@ -256,15 +220,20 @@ MODE = register(
                 "minimum": 16,
                 "default": 512,
             },
-            "window": {
-                "description": "The part of the trace replayed: from start_s after its first arrival, for "
-                "duration_s (null: to the end).",
-                "type": "object",
-                "additionalProperties": False,
-                "default": {},
-                "properties": {
-                    "start_s": {"type": "number", "minimum": 0, "default": 0},
-                    "duration_s": {"type": ["number", "null"], "exclusiveMinimum": 0, "default": None},
+            "windows": {
+                "description": "The parts of the trace replayed, a grid axis beside the speedups: each from start_s "
+                "after the trace's first arrival, for duration_s (null: to the end). Cells ctx0_x<speedup> for the "
+                "whole trace (the default), ctx0_x<speedup>_w<start>[+<duration>] for any other window.",
+                "type": "array",
+                "minItems": 1,
+                "default": [{"start_s": 0, "duration_s": None}],
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "start_s": {"type": "number", "minimum": 0, "default": 0},
+                        "duration_s": {"type": ["number", "null"], "exclusiveMinimum": 0, "default": None},
+                    },
                 },
             },
         },
@@ -281,12 +250,12 @@ MODE = register(
             ),
         ),
         expected_hits=expected_hits,
-        longest_request=lambda context, w: trace_source.replayed(w).longest().total_tokens,
-        # What servegrid estimate prices a request by: the trace's median one.
-        unit_requests=lambda context, w: (median_request(trace_source.replayed(w)),),
+        longest_request=lambda context, w: sent(w).longest().total_tokens,
+        # What servegrid estimate prices a request by: the window's median one.
+        unit_requests=lambda context, w: (median_request(trace_source.replayed(w).window),),
         describe=describe,
         resolve=resolve,
-        trace_rate=lambda w: trace_source.replayed(w).rate,
+        windows=windows,
         longest_where=where_longest,
     )
 )

@@ -19,16 +19,18 @@ What a cell depends on is the trace's content, never its path: :attr:`Trace.sha2
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from servegrid.errors import ConfigError
+from servegrid.modes.arrivals import rate_label
 
 FORMATS = ("auto", "mooncake", "csv")
 
@@ -56,6 +58,47 @@ class Conversation:
 
     arrival_ms: float
     turns: tuple[TraceRequest, ...]
+
+
+@dataclass(frozen=True)
+class Window:
+    """A part of a trace: the arrivals from ``start_s`` after its first one, for ``duration_s`` seconds (None: to
+    the end). A trace mode's grid axis (``windows:``): its label is the last part of a trace cell's name."""
+
+    start_s: float = 0.0
+    duration_s: float | None = None
+
+    @classmethod
+    def from_settings(cls, window: Mapping[str, Any]) -> Window:
+        duration = window.get("duration_s")
+        return cls(float(window.get("start_s", 0.0)), None if duration is None else float(duration))
+
+    def settings(self) -> dict[str, Any]:
+        return {"start_s": self.start_s, "duration_s": self.duration_s}
+
+    @property
+    def whole(self) -> bool:
+        return self.start_s == 0 and self.duration_s is None
+
+    @property
+    def label(self) -> str:
+        """``""`` for the whole trace (a cell name without a window part: ``ctx0_x1``), ``w600`` from 600 s to the
+        end, ``w600+300`` from 600 s for 300 s."""
+        if self.whole:
+            return ""
+        length = "" if self.duration_s is None else f"+{rate_label(self.duration_s)}"
+        return f"w{rate_label(self.start_s)}{length}"
+
+    @classmethod
+    def from_label(cls, label: str) -> Window:
+        if not label:
+            return cls()
+        start, _, length = label.removeprefix("w").partition("+")
+        return cls(float(start), float(length) if length else None)
+
+    def describe(self) -> str:
+        length = "the rest" if self.duration_s is None else f"{self.duration_s:g}"
+        return f"from {self.start_s:g} s for {length} s"
 
 
 @dataclass(frozen=True)
@@ -97,16 +140,23 @@ class Trace:
 
     def window(self, start_s: float, duration_s: float | None) -> Trace:
         """The arrivals from ``start_s`` (after the first) for ``duration_s`` seconds (None: to the end)."""
+        return self.replay(Window(start_s, duration_s), 0).window
+
+    def replay(self, window: Window, drain_arrivals: int) -> Replay:
+        """What a cell replays of this trace: ``window``'s arrivals, then up to ``drain_arrivals`` of the
+        arrivals after it (none where the window runs to the trace's end)."""
         if not self.conversations:
-            return self
-        origin = self.conversations[0].arrival_ms + start_s * 1000
-        end = math.inf if duration_s is None else origin + duration_s * 1000
-        kept = tuple(c for c in self.conversations if origin <= c.arrival_ms < end)
+            return Replay(self, ())
+        origin = self.conversations[0].arrival_ms + window.start_s * 1000
+        end = math.inf if window.duration_s is None else origin + window.duration_s * 1000
+        first = bisect.bisect_left(self.conversations, origin, key=lambda c: c.arrival_ms)
+        after = bisect.bisect_left(self.conversations, end, key=lambda c: c.arrival_ms)
+        kept = self.conversations[first:after]
         if not kept:
-            raise ConfigError(f"{self.source}: no request arrives in the window from {start_s:g} s "
-                              f"for {duration_s if duration_s is not None else 'the rest'} s")  # fmt: skip
+            raise ConfigError(f"{self.source}: no request arrives in the window {window.describe()}")
         requests = tuple(t for c in kept for t in c.turns)
-        return Trace(self.source, self.block_tokens, requests, kept, duration_s)
+        cut = Trace(self.source, self.block_tokens, requests, kept, window.duration_s)
+        return Replay(cut, self.conversations[after : after + drain_arrivals])
 
     def longest(self) -> TraceRequest:
         """The request holding the most tokens at its end (prompt + output)."""
@@ -118,6 +168,31 @@ class Trace:
             return []
         first = self.conversations[0].arrival_ms
         return [(c.arrival_ms - first) / 1000 / speedup for c in self.conversations]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A trace cell's arrivals: its window's (its first ``ramp_s`` seconds the ramp, the rest measured), then the
+    trace's next ones, the **drain**: sent while the window's last requests finish, so that they meet the load the
+    trace had there, and never measured."""
+
+    window: Trace
+    drain: tuple[Conversation, ...]
+
+    @functools.cached_property
+    def sent(self) -> Trace:
+        """Every arrival the cell sends, in order: the window's, then the drain's."""
+        if not self.drain:
+            return self.window
+        conversations = self.window.conversations + self.drain
+        w = self.window
+        return Trace(w.source, w.block_tokens, tuple(t for c in conversations for t in c.turns), conversations)
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        """The window's requests and the drain's: both shape what the cell measures."""
+        return self.window.sha256 if not self.drain else hashlib.sha256(
+            f"{self.window.sha256}/{self.sent.sha256}".encode()).hexdigest()[:16]  # fmt: skip
 
 
 def _group(source: str, requests: list[TraceRequest]) -> tuple[Conversation, ...]:

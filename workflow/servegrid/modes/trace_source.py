@@ -1,8 +1,9 @@
 """Where a trace cell's requests come from (``workloads.trace.source``): a file, or the seeded generator.
 
-Both become one :class:`~servegrid.modes.trace_file.Trace`, cut to ``window`` and named by its content's hash,
-which :func:`identity` puts into the cell's settings: a new trace file, or a new generator setting, reruns
-exactly the trace's cells, and a file reformatted with the same requests reruns none.
+Both become one :class:`~servegrid.modes.trace_file.Trace`. A cell replays one of the mode's ``windows`` of it, then
+the arrivals after that window as its drain (:class:`~servegrid.modes.trace_file.Replay`), named by their content's
+hash, which :func:`cell_workload` puts into the cell's settings: a new trace file, window or generator setting
+reruns exactly the cells whose requests changed, and a file reformatted with the same requests reruns none.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from servegrid.errors import ConfigError
 from servegrid.modes import trace_csv
-from servegrid.modes.trace_file import FORMATS, Trace, from_rows, parse_mooncake
+from servegrid.modes.trace_file import FORMATS, Replay, Trace, Window, from_rows, parse_mooncake
 from servegrid.modes.trace_generator import TraceShape, generate
 
 
@@ -47,24 +48,47 @@ def _generated(shape: TraceShape, block_tokens: int) -> Trace:
 
 
 def whole(workload: Mapping[str, Any]) -> Trace:
-    """The trace a trace mode's settings name, before its window."""
+    """The trace a trace mode's settings name, before any window."""
     source, block = workload["source"], int(workload["block_tokens"])
     if source.get("file") is not None:
         return read(source["file"], source.get("format", "auto"), block)
     return _generated(TraceShape.from_settings(source.get("generate") or {}), block)
 
 
-def replayed(workload: Mapping[str, Any]) -> Trace:
-    """The requests a trace cell replays: the trace cut to its window."""
-    window = workload["window"]
-    return whole(workload).window(float(window["start_s"]), window.get("duration_s"))
+def windows(workload: Mapping[str, Any]) -> tuple[Window, ...]:
+    """The windows a trace mode's settings list (its grid axis beside the speedups)."""
+    return tuple(Window.from_settings(w) for w in workload["windows"])
 
 
-def identity(workload: Mapping[str, Any]) -> dict[str, Any]:
-    """What a trace cell's settings hold of its trace: the replayed requests' hash and what they are."""
-    trace = replayed(workload)
-    return {"sha256": trace.sha256, "requests": len(trace.requests), "arrivals": len(trace.conversations),
-            "rate": round(trace.rate, 6), "longest_tokens": trace.longest().total_tokens}  # fmt: skip
+def replay(workload: Mapping[str, Any], window: Window, drain_arrivals: int = 0) -> Replay:
+    """What a cell replays at ``window``: its arrivals, then up to ``drain_arrivals`` after it as the drain."""
+    return whole(workload).replay(window, drain_arrivals)
+
+
+def replayed(workload: Mapping[str, Any]) -> Replay:
+    """What a trace cell replays, from the cell's own workload settings (its ``window`` and ``drain_arrivals``,
+    which Experiment.cell_settings puts there)."""
+    return replay(workload, Window.from_settings(workload["window"]), int(workload["drain_arrivals"]))
+
+
+def cell_workload(workload: Mapping[str, Any], window: Window, drain_arrivals: int) -> dict[str, Any]:
+    """A trace cell's workload settings: the mode's, with its own window (instead of every window), its drain and
+    what it replays (its identity, instead of the whole trace's), so that a new window reruns no other cell and a
+    trace edited outside a cell's window and drain reruns none of its cells."""
+    own = {k: v for k, v in workload.items() if k not in ("windows", "trace")}
+    own |= {"window": window.settings(), "drain_arrivals": drain_arrivals}
+    return own | {"trace": identity(replayed(own))}
+
+
+def identity(replayed: Replay | Trace) -> dict[str, Any]:
+    """What settings hold of a replayed trace: the requests' hash and what they are (a replay's: its window's count
+    and rate, the drain's arrivals, the longest request either sends)."""
+    if isinstance(replayed, Trace):
+        replayed = Replay(replayed, ())
+    trace = replayed.window
+    return {"sha256": replayed.sha256, "requests": len(trace.requests), "arrivals": len(trace.conversations),
+            "rate": round(trace.rate, 6), "longest_tokens": replayed.sent.longest().total_tokens,
+            "drain_arrivals": len(replayed.drain)}  # fmt: skip
 
 
 def to_jsonl(trace: Trace) -> str:

@@ -159,7 +159,7 @@ def _run_cell(
             facts = server.ensure(spec, runtime, owner)
         except EngineRefused as refused:
             return _write_refused(cell, out_path, settings, started_at, refused)
-        need = experiment.longest_request(cell.mode, cell.context)
+        need = experiment.longest_request(cell)
         if facts.max_model_len is not None and need > facts.max_model_len:
             # Where the config does not state the limit, the server's first answer does: fail before measuring.
             raise CellError(

@@ -36,16 +36,33 @@ def cmd_estimate(experiment: Experiment, args: argparse.Namespace) -> int:
 def cmd_trace(experiment: Experiment, args: argparse.Namespace) -> int:
     import json
 
+    from servegrid.errors import ConfigError
     from servegrid.modes import trace_source
 
-    replayed = trace_source.replayed(experiment.workload(args.mode).settings)
+    workload = experiment.workload(args.mode)
+    # Each window's cells: what they replay (the window, then its drain).
+    replays = {label: trace_source.replayed(w) for label, w in workload.windows.items()}
     if args.action == "show":
-        print(json.dumps(trace_source.describe(replayed), indent=2, ensure_ascii=False))
-    elif args.out:
-        atomic.write_text(args.out, trace_source.to_jsonl(replayed))
+        shown: dict[str, Any] = {"trace": trace_source.describe(trace_source.whole(workload.settings))}
+        if replays:
+            shown["windows"] = {
+                label or "whole trace": trace_source.describe(r.window) | {"drain_arrivals": len(r.drain)}
+                for label, r in replays.items()
+            }
+        print(json.dumps(shown, indent=2, ensure_ascii=False))
+        return 0
+    if args.window is None:
+        trace = trace_source.whole(workload.settings)
+    elif args.window in replays:
+        trace = replays[args.window].sent
+    else:
+        raise ConfigError(f"--window {args.window!r}: workloads.{args.mode} has the windows "
+                          f"{', '.join(repr(w) for w in replays) or 'none'} ('': the whole trace)")  # fmt: skip
+    if args.out:
+        atomic.write_text(args.out, trace_source.to_jsonl(trace))
         print(args.out)
     else:
-        print(trace_source.to_jsonl(replayed), end="")
+        print(trace_source.to_jsonl(trace), end="")
     return 0
 
 
@@ -60,11 +77,16 @@ def add_commands(sub: Any, add: Callable[[Any, str, str], argparse.ArgumentParse
     est_p.add_argument("--cores", type=int, help="the --cores you will give Snakemake (default: the advice)")
     est_p.add_argument("--json", help="also write the estimate to this file")
     est_p.set_defaults(func=cmd_estimate)
-    trace_p = add(sub, "trace", "the trace a trace mode replays (its window), as the cells see it")
+    trace_p = add(sub, "trace", "the trace a trace mode replays, and each of its windows as the cells see it")
     trace_sub = trace_p.add_subparsers(dest="action", required=True)
     show_p = add(trace_sub, "show", "its size, pace, lengths and hash")
     write_p = add(trace_sub, "write", "as Mooncake JSONL (the generated one too), to stdout or --out")
     write_p.add_argument("--out", help="file to write (atomically)")
+    write_p.add_argument(
+        "--window",
+        help="what one window's cells send (its label, w600+300; '': the whole trace's "
+        "cells), its drain included (default: the whole trace)",
+    )
     for p in (show_p, write_p):
         p.add_argument("--mode", default="trace", help="the workload mode (default: trace)")
         p.set_defaults(func=cmd_trace)

@@ -101,10 +101,10 @@ def device_groups(experiment: Experiment) -> list[list[str]]:
 
 def unit_seconds(experiment: Experiment, cell: Cell, speed: Mapping[str, float]) -> float:
     """One unit's time at ``speed`` (prefill and per-session decode tokens/s): the mode's requests, priced."""
-    workload = experiment.workloads[cell.mode]
     prefix_caching = experiment.configuration(cell.configuration).prefix_caching
     seconds = 0.0
-    for prompt, cacheable, output in modes.get(cell.mode).requests_of_unit(cell.context, workload.settings):
+    unit = modes.get(cell.mode).requests_of_unit(cell.context, experiment.cell_workload(cell))
+    for prompt, cacheable, output in unit:
         prefilled = prompt - (cacheable if prefix_caching else 0)
         # With several sessions the server prefills their prompts in one batch: per session, no faster.
         seconds += prefilled * cell.concurrency / speed["prefill"] + output / speed["decode"]
@@ -210,11 +210,11 @@ def _open_loop_cell(experiment: Experiment, cell: Cell, fast: Mapping[str, float
                     overhead: Range) -> CellEstimate:  # fmt: skip
     """An open-loop cell lasts as long as its schedule: the ramp, the measured arrivals at the offered rate, and the
     last measured request's own time (one request alone at the assumed speeds: the drain, if the server keeps up)."""
-    workload = experiment.workloads[cell.mode]
-    window = workload.open_loop["open_loop"]
-    repeats = int(workload.settings.get("repeats") or 1)
+    settings = experiment.cell_settings(cell)
+    window = settings["open_loop"]  # a trace cell's: its window's arrivals
+    repeats = int(settings["workload"].get("repeats") or 1)
     span = float(window["ramp_s"]) + int(window["requests"]) / cell.rate
-    alone = Cell(cell.configuration, cell.mode, cell.context, 1)
+    alone = Cell(cell.configuration, cell.mode, cell.context, 1, window=cell.window)  # one request alone
     low, high = (repeats * (span + unit_seconds(experiment, alone, speed)) for speed in (fast, slow))
     return CellEstimate(cell, Range(low, high), overhead, "the arrival schedule")
 

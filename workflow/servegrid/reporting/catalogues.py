@@ -69,6 +69,17 @@ class Formatter:
     def seconds(self, value: Any) -> str:
         return self.unit(value, "duration-second", 2 if not intervals.missing(value) and abs(value) < 10 else 1)
 
+    def whole_seconds(self, value: Any) -> str:
+        """Seconds into a trace: whole where they are whole ("600 s"), else to a tenth."""
+        return self.unit(value, "duration-second", self._whole_digits(value))
+
+    def whole_number(self, value: Any) -> str:
+        return self.num(value, self._whole_digits(value))
+
+    @staticmethod
+    def _whole_digits(value: Any) -> int:
+        return 0 if intervals.missing(value) or float(value).is_integer() else 1
+
     def ms(self, value: Any) -> str:
         return self.unit(None if intervals.missing(value) else value * 1000, "duration-millisecond", 1)
 

@@ -105,6 +105,8 @@ def environment(lang: str) -> tuple[jinja2.Environment, Formatter, Any]:
         integer=fmt.integer,
         ratio=fmt.ratio,
         seconds=fmt.seconds,
+        whole_seconds=fmt.whole_seconds,
+        whole_number=fmt.whole_number,
         ms=fmt.ms,
         percent=fmt.percent,
         date=fmt.date,

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from servegrid import atomic
+from servegrid.analysis.requests_table import with_window
 
 PERCENTILES = (99,)  # vllm bench serve's default --metric-percentiles
 LIST_COLUMNS = ("chunk_times_s", "chunk_tokens")
@@ -104,6 +105,8 @@ def _load(cell: dict[str, Any]) -> dict[str, Any]:
 def write_bench_results(requests: pd.DataFrame, summary: pd.DataFrame, model: str, out_dir: Path) -> None:
     """Every cell's result and each mode's ``summary.json`` under ``out_dir``, replaced as a whole."""
     keys = ["configuration", "mode", "context", "concurrency"] + (["rate"] if "rate" in requests else [])
+    keys += ["window"] if "window" in requests else []  # a trace's cells at one speedup, one per window
+    summary = with_window(summary)
     by_cell = {key: rows for key, rows in requests.groupby(keys, sort=False)} if len(requests) else {}
     with atomic.atomic_directory(out_dir) as tmp:
         for mode, cells in summary.groupby("mode", sort=False):

@@ -15,7 +15,9 @@ import seaborn as sns
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
 from servegrid import modes
+from servegrid.analysis.requests_table import with_window
 from servegrid.config import Experiment
+from servegrid.modes.trace_file import Window
 
 
 class RateFigures:
@@ -38,20 +40,35 @@ class RateFigures:
 
         def _legend_and_layout(self, fig: plt.Figure, bottom: float) -> None: ...
 
+    def _window_title(self, label: str) -> str:
+        """A trace window's panel title: "seconds 600–900 of the trace", "from second 600 of the trace"."""
+        window = Window.from_label(label)
+        start = self.number(window.start_s, 0 if window.start_s.is_integer() else 1)
+        if window.duration_s is None:
+            return self._("from second %(start)s of the trace") % {"start": start}
+        end = window.start_s + window.duration_s
+        return self._("seconds %(start)s–%(end)s of the trace") % {
+            "start": start,
+            "end": self.number(end, 0 if end.is_integer() else 1),
+        }
+
     def latency_by_rate(self) -> plt.Figure:
         """Per mode and context with open-loop cells, a column of two panels: TTFT p50 (solid) and p90 (dashed)
         against the offered rate, and the goodput (requests/s within the objectives; without objectives, those
         answered) against it, the offered rate itself dotted. Saturated cells are ringed, invalid ones crossed."""
-        data = self.open_summary
-        groups = sorted({(str(m), int(c)) for m, c in zip(data["mode"], data["context"], strict=True)},
+        data = with_window(self.open_summary)
+        window_order = [label for w in self.experiment.workloads.values() for label in w.windows]
+        # A trace's windows are different traffic: a column each.
+        groups = sorted({(str(m), int(c), str(w)) for m, c, w in zip(data["mode"], data["context"], data["window"],
+                                                                     strict=True)},
                         key=lambda g: (self.experiment.modes().index(g[0]) if g[0] in self.experiment.modes() else 99,
-                                       g[1]))  # fmt: skip
+                                       g[1], window_order.index(g[2]) if g[2] in window_order else 99))  # fmt: skip
         sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
         columns = max(1, len(groups))
         fig, grid = plt.subplots(2, columns, figsize=(max(6.0, 3.9 * columns + 1.2), 7.2), squeeze=False)
-        for column, (mode, context) in enumerate(groups):
+        for column, (mode, context, window) in enumerate(groups):
             top, bottom = grid[0][column], grid[1][column]
-            cells = data[(data["mode"] == mode) & (data["context"] == context)]
+            cells = data[(data["mode"] == mode) & (data["context"] == context) & (data["window"] == window)]
             rates = sorted(float(r) for r in cells["offered_rate"].unique())
             for name, label in self.labels.items():
                 rows = cells[cells["configuration"] == name].sort_values("offered_rate")
@@ -79,7 +96,8 @@ class RateFigures:
                 ax.xaxis.set_minor_locator(FixedLocator([]))
                 ax.set_ylim(bottom=0)
                 self._axes_numbers(ax)
-            top.set_title(f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}", fontsize=9)
+            where = self._window_title(window) if window else self._context_title(mode, context)
+            top.set_title(f"{self._(modes.get(mode).short_title)}\n{where}", fontsize=9)
             top.set_ylabel(self._("TTFT, ms (p50 solid, p90 dashed)"))
             bottom.set_ylabel(self._("requests/s within the objectives"))
             bottom.set_xlabel(self._("offered rate, requests/s"))

@@ -23,14 +23,15 @@ from typing import Any
 import pandas as pd
 
 from servegrid import atomic, modes
-from servegrid.analysis.requests_table import closed_loop
+from servegrid.analysis.requests_table import closed_loop, with_window
 from servegrid.analysis.verdict import CellSamples
 from servegrid.errors import ConfigError
 from servegrid.modes.arrivals import rate_label
 from servegrid.reporting import terminal_summary
 from servegrid.stats import intervals
 
-KEYS = ["configuration", "mode", "context", "concurrency", "rate"]  # rate 0: a closed-loop cell
+# rate 0: a closed-loop cell; window "": not a trace window's cell
+KEYS = ["configuration", "mode", "context", "concurrency", "rate", "window"]
 COLUMNS = [*KEYS, "cell", "metric", "old_p50", "new_p50", "old_n", "new_n", "ratio", "ratio_ci_low", "ratio_ci_high",
            "moved", "direction", "spec_changed"]  # fmt: skip
 
@@ -53,6 +54,7 @@ def compare_runs(old: Path | str, new: Path | str, min_factor: float = 1.05) -> 
     for frame in (old_summary, new_summary):  # tables from before rates existed: every cell closed loop
         if "rate" not in frame:
             frame["rate"] = 0.0
+    old_summary, new_summary = with_window(old_summary), with_window(new_summary)  # ... and before windows
     # Resampled as independent samples: the closed-loop cells only (CellSamples keys cells by sessions).
     old_samples = CellSamples(closed_loop(old_requests), salt="old")
     new_samples = CellSamples(closed_loop(new_requests), salt="new")
@@ -132,6 +134,6 @@ def write_html(frame: pd.DataFrame, old: str, new: str, lang: str, out: Path | s
 
 def _load(row: dict[str, Any]) -> str:
     speedup = row.get("speedup", row.get("speedup_new"))  # merged rows carry each run's
-    if speedup is not None and not pd.isna(speedup):  # a replayed trace's cell: named by its speedup
-        return f"x{rate_label(float(speedup))}"
+    if speedup is not None and not pd.isna(speedup):  # a replayed trace's cell: named by its speedup and window
+        return f"x{rate_label(float(speedup))}" + (f"_{row['window']}" if row.get("window") else "")
     return f"r{rate_label(float(row['rate']))}" if row.get("rate") else f"c{row['concurrency']}"

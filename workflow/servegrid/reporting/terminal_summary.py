@@ -101,11 +101,11 @@ def _rate_lines() -> list[str]:
             return "none"
         return f"{value:.2f}/s" + ("" if intervals.missing(speedup) else f" ({speedup:g}x)")
 
-    rows = [["workload", "context", "configuration", "sustains", "not at", "stopped by"]]
+    rows = [["workload", "context/window", "configuration", "sustains", "not at", "stopped by"]]
     for r in rates.to_dict("records"):
         trace = not (intervals.missing(r.get("sustainable_speedup")) and intervals.missing(r.get("speedup_below")))
         rows.append([
-            modes.get(r["mode"]).short_title, "-" if trace else f"{int(r['context']):,}",
+            modes.get(r["mode"]).short_title, (r.get("window") or "-") if trace else f"{int(r['context']):,}",
             r["configuration"] + (" *" if r["winner"] else ""),
             rate(r["sustainable_rate"], r.get("sustainable_speedup")), rate(r["capacity_below"], r.get("speedup_below"))
             if not intervals.missing(r["capacity_below"]) else "-",

@@ -3,7 +3,7 @@ achieved, its latency, and how its run went (saturated, ramp and drain, correlat
 
 Built from the summary's open-loop rows (servegrid.analysis.load_columns) and the verdict in rates (rates.parquet,
 servegrid.analysis.rate_verdict); shown when the run has any. A replayed trace's cells are among them, named by
-their speedup.
+their speedup and window.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pandas as pd
 
 from servegrid import modes
 from servegrid.config import Experiment
+from servegrid.modes.trace_file import Window
 from servegrid.stats import intervals
 
 
@@ -35,6 +36,10 @@ class OpenLoopView:
         return any(r["speedup"] is not None for r in self.rows)
 
     @property
+    def any_window(self) -> bool:
+        return any(r["window"] is not None for r in self.rows)
+
+    @property
     def any_correlated(self) -> bool:
         return any(r["correlated"] for r in self.rows)
 
@@ -42,6 +47,17 @@ class OpenLoopView:
 def _value(row: dict[str, Any], name: str) -> float | None:
     value = row.get(name)
     return None if intervals.missing(value) else float(value)
+
+
+def _window(row: dict[str, Any]) -> dict[str, float | None] | None:
+    """A trace cell's window as the template shows it ({start, end} in seconds into the trace; end None: to its end),
+    None for the whole trace and for every other cell."""
+    label = row.get("window")
+    if intervals.missing(label) or not label:
+        return None
+    window = Window.from_label(str(label))
+    end = None if window.duration_s is None else window.start_s + window.duration_s
+    return {"start": window.start_s, "end": end}
 
 
 def open_loop_view(
@@ -53,8 +69,9 @@ def open_loop_view(
     cells = summary[summary["open_loop"].fillna(False).astype(bool)].to_dict("records")
     order = {name: i for i, name in enumerate(experiment.configurations)}
     mode_order = {name: i for i, name in enumerate(experiment.modes())}
-    cells.sort(key=lambda r: (mode_order.get(r["mode"], 99), r["context"], r["offered_rate"],
-                              order.get(r["configuration"], 99)))  # fmt: skip
+    window_order = {label: i for w in experiment.workloads.values() for i, label in enumerate(w.windows)}
+    cells.sort(key=lambda r: (mode_order.get(r["mode"], 99), r["context"], window_order.get(r.get("window") or "", 99),
+                              r["offered_rate"], order.get(r["configuration"], 99)))  # fmt: skip
     view = OpenLoopView()
     for cell in cells:
         view.rows.append(
@@ -74,6 +91,7 @@ def open_loop_view(
                 "correlated": bool(cell.get("primary_correlated")),
                 "valid": bool(cell.get("valid")),
                 "speedup": _value(cell, "speedup"),  # a replayed trace's, shown instead of its context
+                "window": _window(cell),
             }
         )
     for rate in rates.to_dict("records") if rates is not None and len(rates) else []:
@@ -91,6 +109,7 @@ def open_loop_view(
                 "winner": bool(rate.get("winner")),
                 "speedup": _value(rate, "sustainable_speedup"),
                 "speedup_below": _value(rate, "speedup_below"),
+                "window": _window(rate),
             }
         )
     return view
