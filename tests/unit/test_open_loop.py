@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -152,6 +153,30 @@ def test_the_client_sends_on_schedule_while_the_server_stalls(sandbox, tmp_path)
     assert row["achieved_rate"] == pytest.approx(20.0, rel=0.05)
     assert row["ramp_s"] == pytest.approx(0.5) and row["ramp_requests"] == ramp
     assert meta["duration_s"] == pytest.approx(40 / 20)  # the measured arrivals' span, not the ramp or drain
+
+
+def test_an_open_loop_cell_says_where_it_stands_while_it_runs(sandbox, tmp_path, caplog, monkeypatch):
+    """The progress line of a run of hours: arrivals sent and finished, what is in flight (a stall shows as a
+    growing queue, not as silence), the send lag, and when the last measured arrival is due."""
+    from servegrid import progress
+
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.2)  # every 10 s in a real run
+    window = {"requests": 30, "ramp_s": 0, "max_in_flight": 256}
+    experiment = open_loop_experiment(20, window, ("--freeze", "8=1.0"))  # a 1 s stall at the 6th measured request
+    with caplog.at_level("INFO"):
+        measure(experiment, sandbox, tmp_path)
+    (cell,) = experiment.cells("honest")
+    pattern = re.compile(
+        rf"cell {re.escape(cell.id)}: open loop, \d+ s: (\d+) of 30 measured arrivals sent, (\d+) finished; "
+        r"(\d+) in flight; send lag p99 -?\d+ ms; (last measured arrival due in \d+ s|every measured arrival due)"
+    )
+    ticks = [m.groups() for r in caplog.records if (m := pattern.match(r.getMessage()))]
+    assert len(ticks) >= 4, [r.getMessage() for r in caplog.records]
+    sent, finished, in_flight = ([int(t[i]) for t in ticks] for i in range(3))
+    assert sent == sorted(sent) and finished == sorted(finished)
+    assert all(f <= s <= 30 for s, f in zip(sent, finished, strict=True))
+    assert max(in_flight) >= 5  # the stall: arrivals went on while none finished
+    assert ticks[0][3].startswith("last measured arrival due in")
 
 
 @pytest.mark.exclusive  # judges send times

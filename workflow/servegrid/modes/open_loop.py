@@ -19,6 +19,7 @@ sent. The drain meeting the ceiling only ends the drain: every measured arrival 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from servegrid import progress
 from servegrid.modes import trace_source
 from servegrid.modes.arrivals import Arrival, due_offsets_s
 from servegrid.records.request import RequestRecord
@@ -39,12 +41,19 @@ class Sender(Protocol):
     records: list[RequestRecord]
     measuring_since_ns: int | None
 
+    @property
+    def label(self) -> str:
+        """The cell's name, for its progress lines."""
+        ...
+
     def new_record(
         self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = ""
     ) -> RequestRecord: ...
 
     async def complete(self, record: RequestRecord, prompt: list[int]) -> None: ...
 
+
+log = logging.getLogger(__name__)
 
 RAMP, MEASURED, DRAIN = "ramp", "measured", "drain"
 Content = TypeVar("Content")
@@ -189,43 +198,53 @@ async def measure(
 
     await measure_hook()
     start_ns = ctx.measuring_since_ns = time.monotonic_ns()
-    last_measured_due_ns = start_ns
-    for index, offset in enumerate(offsets):
-        phase = RAMP if index < ramp else MEASURED if index < window_end else DRAIN
-        due_ns = start_ns + int(offset * 1e9)
-        if phase == DRAIN and measured_done.is_set():
-            break
-        wait_s = (due_ns - time.monotonic_ns()) / 1e9
-        if wait_s > 0:
-            if phase == DRAIN:  # the drain ends when the window's last request does, not at the next arrival
-                try:
-                    await asyncio.wait_for(measured_done.wait(), wait_s)
-                    break
-                except TimeoutError:
-                    pass
-            else:
-                await asyncio.sleep(wait_s)
-        else:  # behind the schedule: let the requests already due start before adding another
-            await asyncio.sleep(0)
-        if len(in_flight) >= load.max_in_flight and phase == DRAIN:  # every measured arrival went out: no more load
-            break
-        if len(in_flight) >= load.max_in_flight:
-            outcome.saturated = True
-            outcome.not_sent = max(0, window_end - index)
-            if outcome.not_sent:
-                measured_left -= outcome.not_sent
-                if measured_left <= 0:
-                    measured_done.set()
-            break
-        if phase == MEASURED:
-            last_measured_due_ns = due_ns
-        task = asyncio.create_task(run_unit(index, phase, units[index], due_ns))
-        in_flight[task] = phase
-        task.add_done_callback(finished)
-        outcome.peak_in_flight = max(outcome.peak_in_flight, len(in_flight))
-        outcome.drain_requests += phase == DRAIN
-    if measured_left > 0:
-        await measured_done.wait()
+    sent_measured = 0
+
+    def tally() -> tuple[int, int, int]:  # measured arrivals sent, measured arrivals finished, arrivals in flight
+        return sent_measured, load.requests - outcome.not_sent - measured_left, len(in_flight)
+
+    ticker = asyncio.create_task(progress_ticker(ctx, start_ns, offsets[ramp:window_end], tally))
+    try:
+        last_measured_due_ns = start_ns
+        for index, offset in enumerate(offsets):
+            phase = RAMP if index < ramp else MEASURED if index < window_end else DRAIN
+            due_ns = start_ns + int(offset * 1e9)
+            if phase == DRAIN and measured_done.is_set():
+                break
+            wait_s = (due_ns - time.monotonic_ns()) / 1e9
+            if wait_s > 0:
+                if phase == DRAIN:  # the drain ends when the window's last request does, not at the next arrival
+                    try:
+                        await asyncio.wait_for(measured_done.wait(), wait_s)
+                        break
+                    except TimeoutError:
+                        pass
+                else:
+                    await asyncio.sleep(wait_s)
+            else:  # behind the schedule: let the requests already due start before adding another
+                await asyncio.sleep(0)
+            if len(in_flight) >= load.max_in_flight and phase == DRAIN:  # every measured arrival went out: no more load
+                break
+            if len(in_flight) >= load.max_in_flight:
+                outcome.saturated = True
+                outcome.not_sent = max(0, window_end - index)
+                if outcome.not_sent:
+                    measured_left -= outcome.not_sent
+                    if measured_left <= 0:
+                        measured_done.set()
+                break
+            if phase == MEASURED:
+                last_measured_due_ns = due_ns
+                sent_measured += 1
+            task = asyncio.create_task(run_unit(index, phase, units[index], due_ns))
+            in_flight[task] = phase
+            task.add_done_callback(finished)
+            outcome.peak_in_flight = max(outcome.peak_in_flight, len(in_flight))
+            outcome.drain_requests += phase == DRAIN
+        if measured_left > 0:
+            await measured_done.wait()
+    finally:
+        ticker.cancel()
     drained_ns = time.monotonic_ns()
     for task in list(in_flight):  # ramp or drain arrivals: never measured
         task.cancel()
@@ -243,3 +262,27 @@ async def measure(
             outcome.window_s = max(outcome.window_s, (max(ends) - start_ns) / 1e9 - first_measured_s)
     outcome.drain_s = max(0.0, (drained_ns - last_measured_due_ns) / 1e9)
     return outcome
+
+
+async def progress_ticker(
+    ctx: Sender, start_ns: int, measured_offsets_s: Sequence[float], tally: Callable[[], tuple[int, int, int]]
+) -> None:
+    """Every few seconds while an open-loop cell runs: its measured arrivals sent and finished (an arrival: a
+    request, or a conversation with its turns), what is in flight, the send lag so far (the client keeping its
+    schedule), and when the last measured arrival is due. A closed-loop stage's line is the runner's
+    (servegrid.modes.runner.stage_ticker)."""
+    planned = len(measured_offsets_s)
+    last_due_s = measured_offsets_s[-1] if measured_offsets_s else 0.0
+    while True:
+        await asyncio.sleep(progress.INTERVAL_S)
+        sent, finished, in_flight = tally()
+        lags_ms = [(r.sent_ns - r.intended_send_ns) / 1e6 for r in ctx.records if r.phase == MEASURED and r.sent_ns]
+        lag = f"send lag p99 {np.percentile(lags_ms, 99):.0f} ms" if lags_ms else "nothing measured sent yet"
+        elapsed_s = (time.monotonic_ns() - start_ns) / 1e9
+        due_in_s = last_due_s - elapsed_s
+        schedule = (f"last measured arrival due in {progress.duration(due_in_s)}" if due_in_s > 0
+                    else "every measured arrival due; waiting for their answers")  # fmt: skip
+        log.info(
+            "cell %s: open loop, %s: %d of %d measured arrivals sent, %d finished; %d in flight; %s; %s",
+            ctx.label, progress.duration(elapsed_s), sent, planned, finished, in_flight, lag, schedule,
+        )  # fmt: skip

@@ -111,6 +111,10 @@ class WorkloadContext:
     def chat_prompt_tokens(self, messages: Sequence[Mapping[str, str]]) -> int:
         return self.engine.chat_prompt_tokens(self.sync_client, self.url, self.server_model or self.model, messages)
 
+    @property
+    def label(self) -> str:
+        return self.plan.label
+
     def elapsed_s(self) -> float:
         """Seconds since the measured phase began (0 before)."""
         since = self.measuring_since_ns
