@@ -219,8 +219,9 @@ def test_the_report_shows_open_loop_cells_in_a_section_of_their_own_in_both_lang
     summary = aggregation.aggregate(experiment, [c.path for c in cells], tables)
     assert list(summary["load"]) == ["c2", "r10"]
     assert len(pd.read_parquet(tables.comparisons)) == 0 or "r10" not in set(pd.read_parquet(tables.comparisons))
-    words = {"pt": ("Laço aberto", "Oferecida (req/s)"), "hu": ("Nyílt hurok", "Felkínált (kérés/s)")}
-    for lang, (heading, offered) in words.items():
+    words = {"pt": ("Laço aberto", "Oferecida (req/s)", "Células medidas"),
+             "hu": ("Nyílt hurok", "Felkínált (kérés/s)", "Mért cellák")}  # fmt: skip
+    for lang, (heading, offered, cells_measured) in words.items():
         figures_dir = tmp_path / "figures" / lang
         figures.draw_all(experiment, tables, figures_dir, lang)
         html, pdf = tmp_path / f"r-{lang}.html", tmp_path / f"r-{lang}.pdf"
@@ -230,6 +231,8 @@ def test_the_report_shows_open_loop_cells_in_a_section_of_their_own_in_both_lang
         assert heading in section and offered in section
         cells_table = section.split('class="grid open-loop"')[1].split("</table>")[0]
         assert cells_table.count("<tr>") == 2  # the header and the one open-loop cell
+        # The provenance counts every cell of the run, the open-loop one too.
+        assert f"<th>{cells_measured}</th><td>2, " in page
         assert pdf.stat().st_size > 10_000
 
 

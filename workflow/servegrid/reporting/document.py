@@ -169,6 +169,7 @@ def render(
     )
     data.gateway = gateway_view(experiment, read["gateway"], read["gateway_verdict"])
     data.open_loop = open_loop_view(experiment, everything["summary"], everything["rates"])
+    data.every_cell = everything["summary"]
     prov = provenance(experiment)
     if html_out:
         atomic.write_text(html_out, render_html(experiment, lang, data, figures_dir, "screen", prov))

@@ -34,8 +34,13 @@ class MethodContents(Contents):
             )
         return rows
 
+    def cells_measured(self) -> int:
+        """Every cell of the run, closed and open loop (``summary`` holds the closed-loop ones only)."""
+        return len(self.every_cell)
+
     def run_dates(self) -> tuple[datetime | None, datetime | None]:
-        if self.summary.empty:
+        """When the run's first and last cells started, open-loop cells included."""
+        if self.every_cell.empty:
             return None, None
-        starts = pd.to_datetime(self.summary["started_at"], utc=True, format="ISO8601")
+        starts = pd.to_datetime(self.every_cell["started_at"], utc=True, format="ISO8601")
         return starts.min().to_pydatetime(), starts.max().to_pydatetime()

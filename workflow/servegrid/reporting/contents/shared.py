@@ -54,6 +54,8 @@ class Contents:
             None  # the section "through the gateway" (servegrid.reporting.contents.gateway)
         )
         self.open_loop: OpenLoopView | None = None  # the section "open loop" (servegrid.reporting.contents.open_loop)
+        # Every cell, open loop included: what the provenance table counts (the sections above compare sessions).
+        self.every_cell: pd.DataFrame = summary
 
     @staticmethod
     def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
