@@ -96,7 +96,9 @@ class RateFigures:
                 ax.xaxis.set_minor_locator(FixedLocator([]))
                 ax.set_ylim(bottom=0)
                 self._axes_numbers(ax)
-            where = self._window_title(window) if window else self._context_title(mode, context)
+            windowed = any(w and m == mode for m, _c, w in groups)  # beside a window's column, say "whole trace"
+            where = (self._window_title(window) if window else self._("the whole trace") if windowed
+                     else self._context_title(mode, context))  # fmt: skip
             top.set_title(f"{self._(modes.get(mode).short_title)}\n{where}", fontsize=9)
             top.set_ylabel(self._("TTFT, ms (p50 solid, p90 dashed)"))
             bottom.set_ylabel(self._("requests/s within the objectives"))
