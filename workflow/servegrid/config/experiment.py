@@ -9,8 +9,8 @@ Everything a cell's result depends on is derived here, and nothing else:
 :meth:`Experiment.cell_settings` (what the cell measures). Snakemake compares
 both between runs to decide what reruns, so operational settings (ports,
 timeouts, GPU placement) deliberately appear in neither. What figures and
-reports show of the configuration is :meth:`Experiment.presentation`, a
-declared input of those rules alone.
+reports show of the configuration is :meth:`Experiment.presentation`
+(:mod:`servegrid.config.presentation`), a declared input of those rules alone.
 
 It runs over 300 lines so that every identity that decides a rerun (launch
 specs, cell settings, the gateway's) is computed in this one place.
@@ -27,7 +27,8 @@ from typing import Any
 
 from servegrid import engines, modes, redact
 from servegrid.config.checks import check
-from servegrid.config.grid import Cell, parse_load
+from servegrid.config.grid import OPEN_LOOP_KEYS, Cell, parse_load
+from servegrid.config.presentation import Presentation
 from servegrid.config.schema import read_yaml, validate
 from servegrid.config.sections import (
     ClassRule,
@@ -41,7 +42,6 @@ from servegrid.config.sections import (
     Validity,
     VerdictRules,
     Workload,
-    localized,
     objectives,
     rule_fields,
     sampling_rules,
@@ -59,12 +59,9 @@ MEASUREMENT_VERSION = 5  # 5: the measured phase in stages (sequential sampling)
 
 # Keys of a workload section that place it in the grid rather than shape what a cell measures.
 GRID_KEYS = ("enabled", "contexts", "concurrency", "rates", "speedups", "windows")
-# Keys that shape open-loop cells only: part of those cells' settings, never of a closed-loop cell's (adding rates to
-# a mode reruns none of its closed-loop cells).
-OPEN_LOOP_KEYS = ("arrival", "open_loop")
 
 
-class Experiment:
+class Experiment(Presentation):
     """A validated configuration: typed sections and the derived grid."""
 
     def __init__(self, raw: Mapping[str, Any], source: str = "config") -> None:
@@ -317,80 +314,6 @@ class Experiment:
                 "rule": None if cell.open_loop else rule_fields(self.sampling_rules[cell.mode]),
             },
         }
-
-    def label(self, name: str, lang: str) -> str:
-        """A configuration's label in ``lang``."""
-        return localized(self.configuration(name).label, lang)
-
-    def title(self, lang: str) -> str:
-        return localized(self.info.title, lang)
-
-    def baseline(self) -> str:
-        """The configuration the others are compared with in the ratio figure: report.baseline, else the first."""
-        return self.report_baseline or next(iter(self.configurations))
-
-    def figure_presentation(self) -> dict[str, Any]:
-        """What the figures show of the configuration besides the measured data (labels, colours and
-        markers by configuration order, the baseline): a declared input (params) of the figure rule."""
-        return {
-            "configurations": {name: {"label": c.label} for name, c in self.configurations.items()},
-            "configuration_order": list(self.configurations),
-            "baseline": self.baseline(),
-            "modes": self.modes(),
-            # Which figures exist and which panels the goodput figure has.
-            "slo": self.raw["slo"],
-            "route": self.route,  # the gateway's figure exists with route: both
-        } | self._traces()
-
-    def _traces(self) -> dict[str, Any]:
-        """A replayed trace's identity, where a mode replays one (its shape is drawn from the trace itself): absent
-        otherwise, so that a run without a trace keeps its params."""
-        traces = {
-            m: w.settings["trace"] | ({"windows": {label: own["trace"] for label, own in w.windows.items()}}
-                                      if any(w.windows) else {})
-            for m, w in self.workloads.items() if "trace" in w.settings
-        }  # fmt: skip
-        return {"traces": traces} if traces else {}
-
-    def presentation(self) -> dict[str, Any]:
-        """What the report shows of the configuration besides the measured data: a declared input
-        (params) of the report rule, so that editing a label or the title reruns exactly the reports."""
-        return {
-            "title": self.info.title,
-            "hardware": self.info.hardware,
-            "model": self.model.path,
-            "tiny_model": self.model.tiny is not None,
-            "engine": self.engine.kind,
-            "engine_args": redact.argv(self.engine.args),
-            "configurations": {
-                # Not its GPUs: placement is shown from what each server recorded, and reruns nothing.
-                name: {"label": c.label, "flags": redact.argv(self.configuration_flags(name))}
-                for name, c in self.configurations.items()
-            },
-            # The report lists configurations in the config's order; the mapping above may be stored sorted.
-            "configuration_order": list(self.configurations),
-            "baseline": self.baseline(),
-            "slo": self.raw["slo"],  # the objectives the production section prints
-            "workloads": {mode: self.workload_view(mode) for mode in self.workloads},
-            "sampling": {mode: rule_fields(self.sampling_rules[mode]) for mode in self.workloads},  # the rules shown
-            "min_factor": self.verdict.min_factor,
-            "goodput_share": self.verdict.goodput_share,  # the open-loop section says it
-            "client_cpus": list(self.operations.client_cpus),
-            # The section "through the gateway": its topology and the gateway's settings (no key).
-            "route": self.route,
-            "gateway": self.gateway_identity(),
-        }
-
-    def workload_view(self, mode: str) -> dict[str, Any]:
-        w = self.workload(mode)
-        view = {**w.settings, "contexts": list(w.contexts), "concurrency": list(w.concurrency)}
-        if w.rates:  # only where there are open-loop cells: a report without them keeps its params
-            view |= {"rates": list(w.rates), **{k: dict(w.open_loop[k]) for k in OPEN_LOOP_KEYS}}
-        if w.speedups:
-            view |= {"speedups": list(w.speedups), "open_loop": dict(w.open_loop["open_loop"])}
-        if w.windows:  # what each window replays (the report names them): absent for a mode without windows
-            view |= {"windows": {label: cell_workload["trace"] for label, cell_workload in w.windows.items()}}
-        return view
 
     def cell_workload(self, cell: Cell) -> Mapping[str, Any]:
         """The workload settings of ``cell``: its mode's, or its trace window's (servegrid.modes.base.Mode.windows)."""

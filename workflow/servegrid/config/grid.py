@@ -18,6 +18,10 @@ from servegrid import paths
 from servegrid.errors import ConfigError
 from servegrid.modes.arrivals import rate_label
 
+# Keys that shape open-loop cells only: part of those cells' settings, never of a closed-loop cell's (adding rates to
+# a mode reruns none of its closed-loop cells).
+OPEN_LOOP_KEYS = ("arrival", "open_loop")
+
 # What a cell file's name carries after its context (a Snakemake wildcard constraint too).
 NUMBER = r"\d+(?:\.\d+)?"
 WINDOW_PATTERN = rf"w{NUMBER}(?:\+{NUMBER})?"
