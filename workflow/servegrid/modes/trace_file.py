@@ -138,10 +138,6 @@ class Trace:
             return 0.0
         return (len(self.conversations) - 1) / span * len(self.requests) / len(self.conversations)
 
-    def window(self, start_s: float, duration_s: float | None) -> Trace:
-        """The arrivals from ``start_s`` (after the first) for ``duration_s`` seconds (None: to the end)."""
-        return self.replay(Window(start_s, duration_s), 0).window
-
     def replay(self, window: Window, drain_arrivals: int) -> Replay:
         """What a cell replays of this trace: ``window``'s arrivals, then up to ``drain_arrivals`` of the
         arrivals after it (none where the window runs to the trace's end)."""
