@@ -2,10 +2,14 @@
 
     config.yaml ─► tiny_model? ─► server_spec (+ preflight) ─► cell × grid ─► server_stop
                                                                    │                │
+                         sampling.policy verdict: decide_round ⇄ top_up (rounds)    │
                                                                    ▼                ▼
                                       aggregate (Parquet) ─► figures ─► report_html, report_pdf (pt, hu)
                                                 │
                                                 └─► export (CSV, vllm bench serve JSON)
+
+    target calibrate: server_spec ─► calibration (one short session per configuration;
+                      servegrid estimate prices the run from it)
 
 `snakemake --cores 1 report` runs what is stale; `snakemake -n report` shows
 what would run and why.
@@ -26,18 +30,22 @@ if not workflow.config_settings.configfiles:
 # On a cluster (profiles/slurm) only a configuration's server and cells need its node: the rest runs where
 # Snakemake runs, without a queue wait.
 localrules:
+    decide_round,
     aggregate,
     export,
     figures,
     report_html,
     report_pdf,
     report,
+    calibrate,
 
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/servers.smk"
 include: "workflow/rules/cells.smk"
+include: "workflow/rules/top_ups.smk"
+include: "workflow/rules/calibration.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/figures.smk"
@@ -68,3 +76,4 @@ onsuccess:
 
 onerror:
     stop_all_servers("pipeline failed or was interrupted")
+    print_unfinished()

@@ -57,10 +57,21 @@ def free_port() -> int:
 def start_server(port: int, ttft: float, interval: float, cpu: int | None) -> subprocess.Popen:
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "servegrid.testing.calibration", "--port", str(port), "--ttft", str(ttft),
-         "--interval", str(interval)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=preexec,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "servegrid.testing.calibration",
+            "--port",
+            str(port),
+            "--ttft",
+            str(ttft),
+            "--interval",
+            str(interval),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        preexec_fn=preexec,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -220,12 +231,20 @@ def main() -> int:
         server.terminate()
         server.wait(10)
     result = {
-        "machine": {"cpus": len(cpus), "server_cpu": server_cpu, "client_cpu": client_cpu,
-                    "cpu_model": hostinfo.cpu_model()},
-        "script": {"interval_s": args.interval, "ttft_s": args.ttft, "tokens": args.tokens,
-                   "requests_per_stream": args.requests_per_stream},
+        "machine": {
+            "cpus": len(cpus),
+            "server_cpu": server_cpu,
+            "client_cpu": client_cpu,
+            "cpu_model": hostinfo.cpu_model(),
+        },
+        "script": {
+            "interval_s": args.interval,
+            "ttft_s": args.ttft,
+            "tokens": args.tokens,
+            "requests_per_stream": args.requests_per_stream,
+        },
         "levels": rows,
-    }  # fmt: skip
+    }
     at_256 = next((r for r in rows if r["streams"] == 256 and r["path"] == "servegrid"), None)
     if at_256:
         result["targets_at_256"] = {

@@ -106,8 +106,10 @@ def main() -> int:
             rounds = math.ceil(n / concurrency)
             # A cell stops at max_duration_s, after the requests in flight (at most one round more).
             per_cell = [rounds * seconds_per_round(mode, c, concurrency, seed) for c in workload.contexts]
-            capped = [min(t, rule.max_duration_s + seconds_per_round(mode, c, concurrency, seed))
-                      for t, c in zip(per_cell, workload.contexts, strict=True)]  # fmt: skip
+            capped = [
+                min(t, rule.max_duration_s + seconds_per_round(mode, c, concurrency, seed))
+                for t, c in zip(per_cell, workload.contexts, strict=True)
+            ]
             hours = sum(capped) / 3600
             hours *= len(experiment.configurations)
             total_h += hours

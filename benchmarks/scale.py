@@ -33,6 +33,14 @@ For each size, in a temporary working directory of its own (the Snakefile, ``wor
      has no record of in ``.snakemake/metadata`` ("Code has changed"), so ``snakemake --touch`` records the
      fake specs, cells and stops before the first dry run, and the CLI's outputs before the last one.
 
+3. The grid's progress line (``--grid-line``, 10,000 cells unless told; ``--grid-line-only`` skips the stages):
+   each cell job logs it as it starts (:mod:`servegrid.pipeline.grid_progress`). About 90% of the cells get a file
+   with a cell job's footer (its server facts, metrics, gauges and sampling stages; the rows of one cell of its
+   configuration and mode), 5% of them measured with other settings. Timed in one run, on the same files: the line as
+   it was made up to commit 47f9ef4 (every footer read: :func:`grid_line_before`), the new line without its index
+   (rebuilt from the footers, once) and with it, what its time is made of, and the cell job's update of the index.
+   Both lines must say the same, or the script fails. Written to ``benchmarks/out/grid_line.json``.
+
 It prints, per stage, seconds and peak MiB at each size, the growth factor between sizes (the time ratio
 divided by the size ratio: 1.0 is linear, below 1 the fixed start-up still dominates) and the marginal
 cost per cell between sizes (constant for a linear stage), flags a stage over 30 s at the largest size or
@@ -40,6 +48,7 @@ clearly worse than linear, and writes the table as JSON to ``benchmarks/out/scal
 
     .venv/bin/python benchmarks/scale.py                      # 200, 1000, 2000 (in fact 192, 972, 2028)
     .venv/bin/python benchmarks/scale.py --sizes 48 96 --keep # a quick look; keep the working directories
+    .venv/bin/python benchmarks/scale.py --grid-line-only     # the grid line alone, at 10,000 cells (~3 min)
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -66,9 +75,13 @@ import pandas as pd
 import yaml
 
 from servegrid import atomic, modes, paths
-from servegrid.config import Cell, Experiment, spec_hash
+from servegrid.config import CellSpec, Experiment, spec_hash
+from servegrid.config.sections import rule_fields
 from servegrid.engines import metrics
-from servegrid.records import cell_file
+from servegrid.engines.base import PrefixCache
+from servegrid.records import cell_file, cell_format
+from servegrid.records.cell_record import CellRecord
+from servegrid.records.cell_settings import CellSettings
 from servegrid.records.request import RequestRecord
 from servegrid.serving import state
 
@@ -244,13 +257,13 @@ def _request(
 
 
 def _cell_records(
-    experiment: Experiment, cell: Cell, rng: random.Random
+    experiment: Experiment, cell: CellSpec, rng: random.Random
 ) -> tuple[list[RequestRecord], dict[str, Any], bool]:
     """A cell's requests, its sampling record and whether it ran past the KV pool."""
     w = experiment.workload(cell.mode).settings
     perf = PERF[cell.configuration]
-    conc, ctx, out = cell.concurrency, cell.context, w["output_tokens"]
-    longest = experiment.longest_request(cell.mode, ctx)
+    conc, ctx, out = cell.sessions, cell.context, w["output_tokens"]
+    longest = experiment.longest_request(cell)
     kv_limited = conc * longest > KV_POOL_TOKENS
     load = 1 + 0.22 * (conc - 1) + (2.5 if kv_limited else 0.0)  # prefills queue behind each other
     slowdown = (1 + 0.03 * conc) * (1 + ctx / 250_000)  # decode steps slow with the batch and the context
@@ -268,8 +281,20 @@ def _cell_records(
     def unmeasured(phase: str, n: int, prompt: int, ttft: float, turn_of_index: bool = False) -> None:
         nonlocal start
         for i in range(n):
-            r = _request(rng, perf, f"{phase}-s0-r{i}-t1", 0, i, phase, i + 1 if turn_of_index else 1, prompt, out,
-                         ttft, 1.0, start)  # fmt: skip
+            r = _request(
+                rng,
+                perf,
+                f"{phase}-s0-r{i}-t1",
+                0,
+                i,
+                phase,
+                i + 1 if turn_of_index else 1,
+                prompt,
+                out,
+                ttft,
+                1.0,
+                start,
+            )
             recs.append(r)
             start = (r.end_ns or r.sent_ns) - T0_NS + int(2e6)
 
@@ -294,27 +319,73 @@ def _cell_records(
                     for turn in range(1, w["turns"] + 1):
                         prompt = ctx + (turn - 1) * w["tokens_per_turn"] + 7  # the chat template's few tokens
                         new = w["tokens_per_turn"] if perf.caching and turn > 1 else prompt
-                        r = _request(rng, perf, f"measured-s{s}-r{seq}-t{turn}", s, seq, "measured", turn, prompt,
-                                     out, cold(new) * load, slowdown, clocks[s].now_ns,
-                                     failed=index == failed_at and turn == 2)  # fmt: skip
+                        r = _request(
+                            rng,
+                            perf,
+                            f"measured-s{s}-r{seq}-t{turn}",
+                            s,
+                            seq,
+                            "measured",
+                            turn,
+                            prompt,
+                            out,
+                            cold(new) * load,
+                            slowdown,
+                            clocks[s].now_ns,
+                            failed=index == failed_at and turn == 2,
+                        )
                         recs.append(r)
                         clocks[s].now_ns = (r.end_ns or r.sent_ns) - T0_NS
                 else:
                     prompt = ctx + (w["suffix_tokens"] if cell.mode == "single_turn" else 0)
                     new = w["suffix_tokens"] if cell.mode == "single_turn" and perf.caching else prompt
-                    r = _request(rng, perf, f"measured-s{s}-r{seq}-t1", s, seq, "measured", 1, prompt, out,
-                                 cold(new) * load, slowdown, clocks[s].now_ns, failed=index == failed_at)  # fmt: skip
+                    r = _request(
+                        rng,
+                        perf,
+                        f"measured-s{s}-r{seq}-t1",
+                        s,
+                        seq,
+                        "measured",
+                        1,
+                        prompt,
+                        out,
+                        cold(new) * load,
+                        slowdown,
+                        clocks[s].now_ns,
+                        failed=index == failed_at,
+                    )
                     recs.append(r)
                     clocks[s].now_ns = (r.end_ns or r.sent_ns) - T0_NS
         t_stage = max(c.now_ns for c in clocks) + int(0.5e9)  # the pause between stages
-        stages.append({"start_s": stage_start / 1e9, "end_s": (t_stage - int(0.5e9)) / 1e9, "rounds": stage_rounds,
-                       "n_before": done * conc, "n_after": (done + stage_rounds) * conc})  # fmt: skip
+        stages.append(
+            {
+                "start_s": stage_start / 1e9,
+                "end_s": (t_stage - int(0.5e9)) / 1e9,
+                "rounds": stage_rounds,
+                "n_before": done * conc,
+                "n_after": (done + stage_rounds) * conc,
+            }
+        )
         done += stage_rounds
     if cell.mode == "multi_turn":  # its warm-up conversation ran first; listed last, as the order does not matter
         for turn in range(1, w["turns"] + 1):
             prompt = ctx + (turn - 1) * w["tokens_per_turn"] + 7
-            recs.append(_request(rng, perf, f"warmup-s0-r0-t{turn}", 0, 0, "warmup", turn, prompt, out, cold(prompt),
-                                 1.0, -int(30e9) + turn * int(3e9)))  # fmt: skip
+            recs.append(
+                _request(
+                    rng,
+                    perf,
+                    f"warmup-s0-r0-t{turn}",
+                    0,
+                    0,
+                    "warmup",
+                    turn,
+                    prompt,
+                    out,
+                    cold(prompt),
+                    1.0,
+                    -int(30e9) + turn * int(3e9),
+                )
+            )
     sampled = {
         "reason": "precise" if len(rounds) == 1 or rng.random() < 0.7 else "max_samples",
         "rule": experiment.cell_settings(cell)["sampling"]["rule"],
@@ -325,9 +396,13 @@ def _cell_records(
 
 
 def _server_metrics(
-    experiment: Experiment, cell: Cell, recs: list[RequestRecord], kv_limited: bool, duration_s: float,
+    experiment: Experiment,
+    cell: CellSpec,
+    recs: list[RequestRecord],
+    kv_limited: bool,
+    duration_s: float,
     rng: random.Random,
-) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The cell's server metrics as servegrid.measuring.measured_phase records them, and its one repeat's record."""
     conf = experiment.configuration(cell.configuration)
     measured = [r for r in recs if r.phase == "measured"]
@@ -339,8 +414,8 @@ def _server_metrics(
             "prompt_tokens_reported": [r.prompt_tokens_reported or r.prompt_tokens_requested for r in measured],
         }
     )
-    settings = experiment.cell_settings(cell)
-    expected = modes.get(cell.mode).expected_hit_rate(conf.prefix_caching, settings, frame, BLOCK)
+    settings = CellSettings(experiment.cell_settings(cell))
+    expected = modes.get(cell.mode).expected_hit_rate(conf.prefix_caching, settings, frame, PrefixCache(block=BLOCK))
     prompt_tokens = float(sum(r.prompt_tokens_requested for r in measured))
     timed = [r for r in measured if r.chunk_ns]
     ttft = [(r.chunk_ns[0] - r.sent_ns) / 1e9 for r in timed]
@@ -361,16 +436,19 @@ def _server_metrics(
     if conf.speculative:
         chunks = sum(len(r.chunk_tokens) - 1 for r in timed)
         accepted = sum(sum(r.chunk_tokens) - len(r.chunk_tokens) for r in timed)
-        delta.update(spec_decode_num_drafts=float(chunks), spec_decode_num_draft_tokens=float(3 * chunks),
-                     spec_decode_num_accepted_tokens=float(accepted))  # fmt: skip
+        delta.update(
+            spec_decode_num_drafts=float(chunks),
+            spec_decode_num_draft_tokens=float(3 * chunks),
+            spec_decode_num_accepted_tokens=float(accepted),
+        )
     before = {k: float(rng.randint(10**5, 10**8)) for k in metrics.COUNTERS}
     after = {k: before[k] + (v or 0.0) for k, v in delta.items()}
-    usage_top = rng.uniform(0.985, 1.0) if kv_limited else min(0.9, cell.concurrency * 1e-5 * cell.context / 4)
+    usage_top = rng.uniform(0.985, 1.0) if kv_limited else min(0.9, cell.sessions * 1e-5 * cell.context / 4)
     samples = [
         {
             "t": float(t),
             "kv_cache_usage_perc": usage_top * rng.uniform(0.6, 1.0),
-            "num_requests_running": float(rng.randint(max(1, cell.concurrency // 2), cell.concurrency)),
+            "num_requests_running": float(rng.randint(max(1, cell.sessions // 2), cell.sessions)),
             "num_requests_waiting": float(rng.randint(0, 4)) if kv_limited else 0.0,
             "num_requests_waiting_capacity": float(rng.randint(1, 4)) if kv_limited else 0.0,
         }
@@ -383,8 +461,15 @@ def _server_metrics(
         gauges[f"{gauge}_mean"] = float(np.mean(series)) if series else None
     if kv_limited and samples:
         gauges["kv_cache_usage_perc_max"] = usage_top
-    repeat = {"repeat": 0, "cache_state": "reset", "duration_s": duration_s, "before": before, "after": after,
-              "delta": delta, "gauge_samples": samples}  # fmt: skip
+    repeat = {
+        "repeat": 0,
+        "cache_state": "reset",
+        "duration_s": duration_s,
+        "before": before,
+        "after": after,
+        "delta": delta,
+        "gauge_samples": samples,
+    }
     return {"delta": delta, "derived": metrics.derived(delta), "gauges": gauges}, repeat
 
 
@@ -433,28 +518,37 @@ def server_facts(experiment: Experiment, name: str, index: int) -> state.ServerF
     )
 
 
-def write_cell(experiment: Experiment, cell: Cell, facts: state.ServerFacts, rng: random.Random) -> int:
+def write_cell(experiment: Experiment, cell: CellSpec, facts: state.ServerFacts, rng: random.Random) -> int:
     """One synthetic cell file, as servegrid.pipeline.cell_job writes it; returns its number of rows."""
     recs, sampled, kv_limited = _cell_records(experiment, cell, rng)
     duration_s = sum(s["end_s"] - s["start_s"] for s in sampled["stages"])
     server_metrics, repeat = _server_metrics(experiment, cell, recs, kv_limited, duration_s, rng)
     lag = rng.uniform(0.0003, 0.0015)
-    meta = {
-        "cell": asdict(cell) | {"id": cell.id},
-        "settings": experiment.cell_settings(cell),
-        "spec_hash": facts.spec_hash,
-        "server": asdict(facts),
-        "started_at": "2026-12-03T10:00:00.000+00:00",
-        "ended_at": "2026-12-03T10:05:00.000+00:00",
+    client = {
+        "cpu_fraction": rng.uniform(0.05, 0.3),
+        "cpus": [],
+        "loop_lag_max_s": lag * 2,
+        "loop_lag_p50_s": lag / 5,
+        "loop_lag_p99_s": lag,
+        "loop_lag_samples": int(duration_s * 100),
+    }
+    phase = {
         "server_metrics": server_metrics,
-        "client": {"cpu_fraction": rng.uniform(0.05, 0.3), "cpus": [], "loop_lag_max_s": lag * 2,
-                   "loop_lag_p50_s": lag / 5, "loop_lag_p99_s": lag, "loop_lag_samples": int(duration_s * 100)},
+        "client": client,
         "repeats": [repeat | {"sampling": sampled}],
         "duration_s": duration_s,
         "sampling": sampled,
         "cache_state": "reset",
-    }  # fmt: skip
-    cell_file.write_cell(cell.path, recs, meta)
+    }
+    record = CellRecord.measured(
+        cell,
+        experiment.cell_settings(cell),
+        asdict(facts),
+        phase,
+        started_at="2026-12-03T10:00:00.000+00:00",
+        ended_at="2026-12-03T10:05:00.000+00:00",
+    )
+    cell_file.write_cell(cell.path, recs, record)
     return len(recs)
 
 
@@ -473,8 +567,9 @@ def write_grid(experiment: Experiment) -> dict[str, Any]:
     for name in experiment.configurations:
         stop = paths.server_stop(name)
         stopped = [{"session": facts[name].session, "was_running": True}]
-        atomic.write_json(stop, {"configuration": name, "stopped_at": "2026-12-03T11:00:00.000+00:00",
-                                 "stopped": stopped})  # fmt: skip
+        atomic.write_json(
+            stop, {"configuration": name, "stopped_at": "2026-12-03T11:00:00.000+00:00", "stopped": stopped}
+        )
         os.utime(stop, (base + 120, base + 120))
     size = sum(Path(c.path).stat().st_size for c in experiment.cells())
     return {"rows": rows, "cell_bytes": size}
@@ -545,14 +640,25 @@ def measure_size(size: int, workdir: Path) -> SizeResult:
     os.chdir(workdir)  # the package's paths are relative to the working directory
     experiment = Experiment.from_file(CONFIG)
     cells = len(experiment.cells())
-    print(f"\n== {cells} cells ({len(experiment.configurations)} configurations × 3 modes × {len(contexts)} contexts "
-          f"× {len(concurrency)} concurrency levels) in {workdir}", flush=True)  # fmt: skip
+    print(
+        f"\n== {cells} cells ({len(experiment.configurations)} configurations × 3 modes × {len(contexts)} contexts "
+        f"× {len(concurrency)} concurrency levels) in {workdir}",
+        flush=True,
+    )
     started = time.perf_counter()
     written = write_grid(experiment)
-    result = SizeResult(cells, len(contexts), len(concurrency), written["rows"], written["cell_bytes"] / 2**20,
-                        time.perf_counter() - started)  # fmt: skip
-    print(f"   wrote {cells} cell files, {result.rows} rows, {result.cell_mib:.1f} MiB in {result.generate_s:.1f} s",
-          flush=True)  # fmt: skip
+    result = SizeResult(
+        cells,
+        len(contexts),
+        len(concurrency),
+        written["rows"],
+        written["cell_bytes"] / 2**20,
+        time.perf_counter() - started,
+    )
+    print(
+        f"   wrote {cells} cell files, {result.rows} rows, {result.cell_mib:.1f} MiB in {result.generate_s:.1f} s",
+        flush=True,
+    )
     snakemake = [str(BIN / "snakemake")]
     dry_run = [*snakemake, "-n", "report", "--configfile", CONFIG]
     cli = [str(BIN / "servegrid"), "--config", CONFIG]
@@ -583,10 +689,13 @@ def measure_size(size: int, workdir: Path) -> SizeResult:
         if name == "DAG (nothing to do)" and "Nothing to be done" not in measured.log:
             raise SystemExit(f"the second dry run still plans jobs:\n{measured.log[-2000:]}")
     summary = pd.read_parquet(paths.SUMMARY_TABLE)
-    print(f"   summary: {len(summary)} cells, {int(summary['valid'].sum())} valid, "
-          f"{int(summary['kv_limited'].sum())} KV-limited; "
-          f"{len(pd.read_parquet(paths.COMPARISONS_TABLE))} compared groups; "
-          f"PDF pages: {_pdf_pages(Path(paths.REPORT_PATTERN.format(lang='pt', ext='pdf')))}", flush=True)  # fmt: skip
+    print(
+        f"   summary: {len(summary)} cells, {int(summary['valid'].sum())} valid, "
+        f"{int(summary['kv_limited'].sum())} KV-limited; "
+        f"{len(pd.read_parquet(paths.COMPARISONS_TABLE))} compared groups; "
+        f"PDF pages: {_pdf_pages(Path(paths.REPORT_PATTERN.format(lang='pt', ext='pdf')))}",
+        flush=True,
+    )
     return result
 
 
@@ -615,24 +724,46 @@ def table(results: list[SizeResult]) -> dict[str, Any]:
         )
         if worse:
             flags.append("worse than linear")
-        rows.append({"stage": stage, "seconds": seconds, "peak_mib": peaks, "growth": growth,
-                     "marginal_ms_per_cell": marginal, "flags": flags})  # fmt: skip
+        rows.append(
+            {
+                "stage": stage,
+                "seconds": seconds,
+                "peak_mib": peaks,
+                "growth": growth,
+                "marginal_ms_per_cell": marginal,
+                "flags": flags,
+            }
+        )
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "sizes": [{"cells": r.cells, "contexts": r.contexts, "concurrency": r.concurrency, "rows": r.rows,
-                   "cell_mib": round(r.cell_mib, 1), "generate_s": round(r.generate_s, 1)} for r in results],
+        "sizes": [
+            {
+                "cells": r.cells,
+                "contexts": r.contexts,
+                "concurrency": r.concurrency,
+                "rows": r.rows,
+                "cell_mib": round(r.cell_mib, 1),
+                "generate_s": round(r.generate_s, 1),
+            }
+            for r in results
+        ],
         "stages": rows,
         "limit_s": LIMIT_S,
         "superlinear_threshold": SUPERLINEAR,
-    }  # fmt: skip
+    }
 
 
 def print_table(data: dict[str, Any]) -> None:
     sizes = [s["cells"] for s in data["sizes"]]
     steps = [f"{a}→{b}" for a, b in itertools.pairwise(sizes)]
-    head = (["stage"] + [f"{n} cells s / MiB" for n in sizes] + [f"growth {s}" for s in steps]
-            + [f"ms/cell {s}" for s in steps] + ["flag"])  # fmt: skip
+    head = (
+        ["stage"]
+        + [f"{n} cells s / MiB" for n in sizes]
+        + [f"growth {s}" for s in steps]
+        + [f"ms/cell {s}" for s in steps]
+        + ["flag"]
+    )
     lines = [head]
     for row in data["stages"]:
         lines.append(
@@ -649,10 +780,180 @@ def print_table(data: dict[str, Any]) -> None:
         if i == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for s in data["sizes"]:
-        print(f"  {s['cells']} cells: {s['contexts']} contexts × {s['concurrency']} concurrency levels × 3 modes × "
-              f"4 configurations; {s['rows']} request rows, {s['cell_mib']} MiB of cell files "
-              f"(written in {s['generate_s']} s)")  # fmt: skip
+        print(
+            f"  {s['cells']} cells: {s['contexts']} contexts × {s['concurrency']} concurrency levels × 3 modes × "
+            f"4 configurations; {s['rows']} request rows, {s['cell_mib']} MiB of cell files "
+            f"(written in {s['generate_s']} s)"
+        )
     print("  growth: (time ratio) / (cell ratio), 1.0 = linear; ms/cell: extra time per extra cell between sizes")
+
+
+# ---- the grid's progress line (each cell job, as it starts) ----------------------------------------------------------
+GRID_LINE_OUT = REPO / "benchmarks" / "out" / "grid_line.json"
+GRID_LINE_MISSING = 0.10  # of the grid's cells have no file yet (the run is under way: the line has an ETA)
+GRID_LINE_STALE = 0.05  # of the grid's files were measured with other settings (a config edit): not counted
+
+
+def grid_line_before(experiment: Experiment, cell: CellSpec) -> str:
+    """The grid line as servegrid.pipeline.cell_job wrote it up to commit 47f9ef4: every cell file's footer read for
+    its settings, and the most recent ones again for their wall time."""
+    from servegrid import progress
+
+    def up_to_date(path: str, settings: dict[str, object]) -> bool:
+        try:
+            return bool(cell_file.read_record(path).settings == settings)
+        except Exception:  # noqa: BLE001 - as the old code: (OSError, ValueError, ArrowException, CellFileError)
+            return False
+
+    def wall_s(path: Path) -> float | None:
+        try:
+            return cell_file.read_record(path).wall_s
+        except Exception:  # noqa: BLE001 - as the old code
+            return None
+
+    cells = experiment.cells()
+    present = [Path(c.path) for c in cells if up_to_date(c.path, experiment.cell_settings(c))]
+    left = len(cells) - len(present)
+    line = f"grid: {len(present)} of {len(cells)} cells measured, starting {cell.id}"
+    recent = sorted(present, key=lambda p: p.stat().st_mtime)[-20:]
+    walls = [w for w in map(wall_s, recent) if w is not None]
+    if walls and left:
+        mean = sum(walls) / len(walls)
+        line += (
+            f"; about {progress.duration(mean * left)} left "
+            f"({progress.duration(mean)} a cell over the last {len(walls)})"
+        )
+    return line
+
+
+def _timed(fn: Any, repeat: int = 1) -> tuple[float, Any]:
+    """The median wall time of ``repeat`` calls of ``fn``, and its last result."""
+    times, result = [], None
+    for _ in range(repeat):
+        started = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times)), result
+
+
+def measure_grid_line(size: int, workdir: Path) -> dict[str, Any]:
+    """The grid line at about ``size`` cells, old way and new way, in ``workdir``: every cell file written with a
+    cell job's footer (server facts, metrics, gauges, sampling stages; the rows of one cell per configuration and
+    mode, which the line does not read), 10% of the cells not yet measured and 5% measured with other settings."""
+    from servegrid.pipeline import grid_progress
+
+    per_list = size / (len(CONFIGURATIONS) * 3)
+    k = max(1, round(math.sqrt(per_list)))
+    contexts = tuple(1024 * (i + 1) for i in range(max(1, round(per_list / k))))
+    concurrency = tuple(range(1, k + 1))
+    os.chdir(workdir)
+    Path(CONFIG).parent.mkdir(parents=True, exist_ok=True)
+    Path(CONFIG).write_text(yaml.safe_dump(config_for(contexts, concurrency), sort_keys=False, allow_unicode=True))
+    experiment = Experiment.from_file(CONFIG)
+    cells = experiment.cells()
+    print(
+        f"\n== grid line: {len(cells)} cells ({len(contexts)} contexts × {len(concurrency)} concurrency levels × "
+        f"3 modes × 4 configurations) in {workdir}",
+        flush=True,
+    )
+    rng = random.Random(2026)
+    facts = {name: server_facts(experiment, name, i) for i, name in enumerate(experiment.configurations)}
+    templates: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
+    started = time.perf_counter()
+    base = time.time() - 86400
+    written = 0
+    for i, cell in enumerate(cells):
+        if rng.random() < GRID_LINE_MISSING:
+            continue
+        key = (cell.configuration, cell.mode)
+        if key not in templates:
+            write_cell(experiment, cell, facts[cell.configuration], random.Random(cell.id))
+            table, meta = cell_file.read_cell(cell.path)
+            templates[key] = (table, meta)
+        table, meta = templates[key]
+        wall = rng.uniform(60, 600)
+        settings = experiment.cell_settings(cell) if rng.random() >= GRID_LINE_STALE else {"an": "older config"}
+        start, end = (
+            datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+            for t in (base + i * 10, base + i * 10 + wall)
+        )
+        _write_like(cell.path, table, replace(meta, spec=cell, settings=settings, started_at=start, ended_at=end))
+        os.utime(cell.path, (base + i * 10 + wall, base + i * 10 + wall))
+        written += 1
+    footer_kib = len(json.dumps(next(iter(templates.values()))[1].facts()).encode()) / 1024
+    print(
+        f"   wrote {written} cell files (footers of about {footer_kib:.0f} KiB) in "
+        f"{time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+    current = cells[-1]
+    figures: dict[str, float] = {}
+    figures["before: footers, every job"], before = _timed(lambda: grid_line_before(experiment, current), 3)
+    index = Path(grid_progress.INDEX)
+    index.unlink(missing_ok=True)
+    figures["after: no index yet (rebuilt once)"], first = _timed(lambda: grid_progress.grid_line(experiment, current))
+    figures["after: index, every job"], after = _timed(lambda: grid_progress.grid_line(experiment, current), 9)
+    if not before == first == after:
+        raise SystemExit(f"the lines differ:\n  before: {before}\n  after (rebuilt): {first}\n  after: {after}")
+    # What the line's own time is made of, and the cell job's update of the index after writing its cell.
+    figures["  of which: the grid's cells"], _ = _timed(experiment.cells, 5)
+    settings_s, _ = _timed(lambda: [experiment.cell_settings(c) for c in cells], 3)
+    figures["  of which: cell_settings, every cell"] = settings_s
+    # cell_settings' copy of the sampling rule: asdict's deep copy before, a field-by-field copy now.
+    rule = next(r for r in experiment.sampling_rules.values() if r is not None)
+    figures["  (its rule copied by asdict, before)"], _ = _timed(lambda: [asdict(rule) for _ in cells], 3)
+    figures["  (its rule copied by rule_fields, now)"], _ = _timed(lambda: [rule_fields(rule) for _ in cells], 3)
+    hashes = [experiment.cell_settings(c) for c in cells]
+    figures["  of which: their hash, every cell"], _ = _timed(
+        lambda: [grid_progress.settings_hash(s) for s in hashes], 3
+    )
+    figures["  of which: a stat per cell"], _ = _timed(lambda: [os.path.exists(c.path) for c in cells], 3)
+    figures["  of which: reading the index"], _ = _timed(grid_progress._load, 5)
+    present = [c for c in cells if os.path.exists(c.path)]
+    recorded = iter(present * 2)
+
+    def record() -> None:
+        cell = next(recorded)
+        grid_progress.record(cell, cell.path, cell_file.metadata(cell.path, _footer(cell.path)))
+
+    figures["after: the cell job's index update"], _ = _timed(record, 9)
+    index_kib = index.stat().st_size / 1024
+    print(f"   the line (the same both ways): {after}", flush=True)
+    for name, seconds in figures.items():
+        print(f"   {name:<40} {seconds * 1000:10.1f} ms", flush=True)
+    print(f"   index: {index_kib:.0f} KiB for {written} cell files", flush=True)
+    per_job_before = figures["before: footers, every job"]
+    per_job_after = figures["after: index, every job"] + figures["after: the cell job's index update"]
+    print(
+        f"   per cell job at {len(cells)} cells: {per_job_before:.2f} s before, {per_job_after:.3f} s after "
+        f"({per_job_before / per_job_after:.0f}× less)",
+        flush=True,
+    )
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "cells": len(cells),
+        "cell_files": written,
+        "footer_kib": round(footer_kib, 1),
+        "index_kib": round(index_kib),
+        "line": after,
+        "seconds": {name.strip(): round(s, 4) for name, s in figures.items()},
+    }
+
+
+def _footer(path: str) -> dict[bytes, bytes]:
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(path).metadata
+
+
+def _write_like(path: str, table: Any, meta: CellRecord) -> None:
+    """``table``'s rows with ``meta`` as the cell's footer, written as cell_file.write_cell writes it (fsync'd)."""
+    import pyarrow.parquet as pq
+
+    schema = cell_file.CELL_SCHEMA.with_metadata(cell_format.encode(meta.facts()))
+    with atomic.atomic_path(path) as tmp:
+        pq.write_table(table.cast(schema), tmp, write_page_checksum=True)
 
 
 def main() -> int:
@@ -660,7 +961,27 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[200, 1000, 2000], help="about how many cells")
     parser.add_argument("--keep", action="store_true", help="keep the temporary working directories")
     parser.add_argument("--out", type=Path, default=OUT, help=f"the JSON table (default: {OUT.relative_to(REPO)})")
+    parser.add_argument(
+        "--grid-line",
+        type=int,
+        default=10_000,
+        metavar="CELLS",
+        help="the grid's progress line at about this many cells, old way and new (0: not measured)",
+    )
+    parser.add_argument("--grid-line-only", action="store_true", help="only the grid line, not the stages")
     args = parser.parse_args()
+    if args.grid_line:
+        workdir = Path(tempfile.mkdtemp(prefix=f"servegrid-scale-grid-line-{args.grid_line}-"))
+        try:
+            measured = measure_grid_line(args.grid_line, workdir)
+        finally:
+            os.chdir(REPO)
+            shutil.rmtree(workdir, ignore_errors=True) if not args.keep else print(f"   kept {workdir}")
+        GRID_LINE_OUT.parent.mkdir(parents=True, exist_ok=True)
+        GRID_LINE_OUT.write_text(json.dumps(measured, indent=2) + "\n")
+        print(f"   wrote {GRID_LINE_OUT}")
+    if args.grid_line_only:
+        return 0
     results = []
     for size in sorted(args.sizes):
         workdir = Path(tempfile.mkdtemp(prefix=f"servegrid-scale-{size}-"))

@@ -178,23 +178,58 @@ def servegrid_run(url: str, served: str, prompts: list[str], concurrency: int) -
     }
 
 
-def upstream_run(url: str, served: str, tokenizer: str, prompts: list[str], concurrency: int,
-                 out: Path, vllm_python: Path) -> dict[str, list[float]]:  # fmt: skip
+def upstream_run(
+    url: str, served: str, tokenizer: str, prompts: list[str], concurrency: int, out: Path, vllm_python: Path
+) -> dict[str, list[float]]:
     stamp = time.monotonic_ns()
     dataset = out / f"prompts-{stamp}.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     result = out / f"upstream-{stamp}.json"
     done = subprocess.run(
-        [str(vllm_python), str(REPO / "benchmarks" / "upstream_bench.py"), "--backend", "vllm",
-         "--base-url", url, "--model", served, "--tokenizer", tokenizer,
-         "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", str(OUTPUT_TOKENS),
-         "--skip-chat-template", "--no-oversample", "--num-prompts", str(len(prompts)),
-         "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
-         "--extra-body", json.dumps(upstream_extra_body()), "--disable-tqdm",
-         "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", result.name],
-        check=False, capture_output=True, text=True, timeout=1200,  # on our client core: inherited
+        [
+            str(vllm_python),
+            str(REPO / "benchmarks" / "upstream_bench.py"),
+            "--backend",
+            "vllm",
+            "--base-url",
+            url,
+            "--model",
+            served,
+            "--tokenizer",
+            tokenizer,
+            "--dataset-name",
+            "custom",
+            "--dataset-path",
+            str(dataset),
+            "--custom-output-len",
+            str(OUTPUT_TOKENS),
+            "--skip-chat-template",
+            "--no-oversample",
+            "--num-prompts",
+            str(len(prompts)),
+            "--max-concurrency",
+            str(concurrency),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--num-warmups",
+            "0",
+            "--extra-body",
+            json.dumps(upstream_extra_body()),
+            "--disable-tqdm",
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(out),
+            "--result-filename",
+            result.name,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=1200,  # on our client core: inherited
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-    )  # fmt: skip
+    )
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     data = json.loads(result.read_text())
@@ -300,12 +335,18 @@ def print_row(row: dict) -> None:
             print(f"{'':<19}{label}: TTFT {ratio('ttft', way)}  TPOT {ratio('tpot', way)}", flush=True)
     if row["ttft_server_normalized_ratio"] is not None:
         above = {m: row[f"{m}_client_minus_server_ms"] for m in ("ttft", "tpot")}
-        print(f"{'':<19}client mean minus the server's: TTFT servegrid {above['ttft']['servegrid']:+.2f} ms, "
-              f"upstream {above['ttft']['upstream']:+.2f} ms;  TPOT servegrid {above['tpot']['servegrid']:+.3f} ms, "
-              f"upstream {above['tpot']['upstream']:+.3f} ms", flush=True)  # fmt: skip
+        print(
+            f"{'':<19}client mean minus the server's: TTFT servegrid {above['ttft']['servegrid']:+.2f} ms, "
+            f"upstream {above['ttft']['upstream']:+.2f} ms;  TPOT servegrid {above['tpot']['servegrid']:+.3f} ms, "
+            f"upstream {above['tpot']['upstream']:+.3f} ms",
+            flush=True,
+        )
     for tool, ratios in row.get("self_ratio", {}).items():
-        print(f"{'':<19}noise floor, {tool} against itself (even/odd rounds): "
-              f"TTFT x{ratios['ttft']:.3f}  TPOT x{ratios['tpot']:.3f}", flush=True)  # fmt: skip
+        print(
+            f"{'':<19}noise floor, {tool} against itself (even/odd rounds): "
+            f"TTFT x{ratios['ttft']:.3f}  TPOT x{ratios['tpot']:.3f}",
+            flush=True,
+        )
 
 
 def main() -> int:

@@ -85,8 +85,8 @@ def measure(name: str, folder: Path, caches: Path, requests: int) -> dict[str, A
     measured = frame[(frame["phase"] == "measured") & frame["valid"]]
     return {
         "setting": name,
-        "startup_s": meta["server"]["startup_s"],
-        "warmup_s": meta["server"].get("warmup_s"),
+        "startup_s": meta.server["startup_s"],
+        "warmup_s": meta.server.get("warmup_s"),
         "requests": len(measured),
         "ttft_p50_ms": 1000 * statistics.median(measured["ttft_s"]),
         "tpot_p50_ms": 1000 * statistics.median(measured["tpot_s"]),
@@ -98,8 +98,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
-    parser.add_argument("--only", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
-                        help="these settings, in this order (ratios are to the first)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=list(SETTINGS),
+        help="these settings, in this order (ratios are to the first)",
+    )
     options = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-startup-") as tmp:
@@ -110,12 +115,16 @@ def main() -> None:
             rows.append(measure(name, folder, folder / "compile-caches", options.requests))
             print(json.dumps(rows[-1]), flush=True)
     first = rows[0]
-    print(f"\n{'setting':<30}{'start-up s':>11}{'ratio':>7}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'ratio':>7}"
-          f"{'decode tok/s':>14}")  # fmt: skip
+    print(
+        f"\n{'setting':<30}{'start-up s':>11}{'ratio':>7}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'ratio':>7}"
+        f"{'decode tok/s':>14}"
+    )
     for row in rows:
-        print(f"{row['setting']:<30}{row['startup_s']:>11.1f}{row['startup_s'] / first['startup_s']:>7.2f}"
-              f"{row['ttft_p50_ms']:>13.1f}{row['tpot_p50_ms']:>13.2f}{row['tpot_p50_ms'] / first['tpot_p50_ms']:>7.2f}"
-              f"{row['decode_tps_p50']:>14.1f}")  # fmt: skip
+        print(
+            f"{row['setting']:<30}{row['startup_s']:>11.1f}{row['startup_s'] / first['startup_s']:>7.2f}"
+            f"{row['ttft_p50_ms']:>13.1f}{row['tpot_p50_ms']:>13.2f}{row['tpot_p50_ms'] / first['tpot_p50_ms']:>7.2f}"
+            f"{row['decode_tps_p50']:>14.1f}"
+        )
     Path(options.out).mkdir(parents=True, exist_ok=True)
     (Path(options.out) / "vllm_startup.json").write_text(json.dumps(rows, indent=2) + "\n")
 

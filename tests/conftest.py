@@ -75,7 +75,7 @@ def _tag_for_loadgroup(config: pytest.Config, item: pytest.Item, group: str) -> 
 
 
 def _cost(item: pytest.Item) -> int:
-    """A rough weight (the budget table of docs/architecture.md): Slurm jobs serving vLLM, then Snakemake runs on real
+    """A rough weight (the budget table of docs/testing.md): Slurm jobs serving vLLM, then Snakemake runs on real
     vLLM (each its own server starts), outweigh tests that share the session's server or use stand-ins."""
     if item.get_closest_marker("slurm"):
         return 10

@@ -30,6 +30,7 @@ LAYERS = [
     ("analysis", "serving", "measuring"),
     ("config",),
     ("modes",),
+    ("load",),
     ("records", "stats", "engines"),
     ("atomic", "errors", "languages", "paths", "progress", "redact", "text"),
 ]
@@ -95,8 +96,10 @@ def main() -> None:
     for name in order:
         print(f"  layer {layer(name)}  {name}")
     upward = {edge: n for edge, n in edges.items() if layer(edge[1]) > layer(edge[0]) >= 0}
-    print(f"calls between modules: {sum(edges.values())} over {len(edges)} edges; "
-          f"up a layer: {sum(upward.values())} over {len(upward)} edges")  # fmt: skip
+    print(
+        f"calls between modules: {sum(edges.values())} over {len(edges)} edges; "
+        f"up a layer: {sum(upward.values())} over {len(upward)} edges"
+    )
     for (caller, callee), n in sorted(upward.items(), key=lambda item: -item[1]):
         print(f"  {caller} (layer {layer(caller)}) -> {callee} (layer {layer(callee)}): {n}")
 

@@ -797,65 +797,81 @@ def up(
             _say(f"only {', '.join(running)} of {', '.join(DAEMONS)} running: restarting all")
             _stop_all(dirs)
         dirs.pids.unlink(missing_ok=True)
-        busy = [
-            f"{port} ({option})"
-            for port, option in (
-                (ctld_port, "--ctld-port"),
-                (slurmd_port, "--slurmd-port"),
-                (dbd_port, "--dbd-port"),
-                (mysql_port, "--mysql-port"),
-            )
-            if not _port_free(port)
-        ]
+        busy = _busy_ports(wanted)
         if busy:
             raise ClusterError(f"ports in use: {', '.join(busy)}; choose others")
         try:
-            with _step("prepare directory", timings):
-                password = _prepare_dirs(dirs)
-            with _step("munged", timings):
-                _start_munged(dirs, env)
-            with _step("mariadbd", timings):
-                _start_mariadbd(dirs, wanted, password, env)
-            usable, why = cgroup_usable()
-            candidates = ["proctrack/cgroup", "proctrack/linuxproc"] if usable else ["proctrack/linuxproc"]
-            if not usable:
-                _say(f"proctrack/cgroup cannot work here ({why}): using proctrack/linuxproc")
-            wanted.proctrack = candidates[0]
-            write_configs(dirs, wanted, password)
-            _write_wrappers(dirs)
-            with _step("slurmdbd", timings):
-                _start_daemon(dirs, "slurmdbd", [_binary("slurmdbd")], env)
-                # slurmctld registers the cluster on connect; slurmdbd must be listening by then
-                _wait(
-                    "slurmdbd to answer sacctmgr",
-                    lambda: _run([_binary("sacctmgr"), "-n", "show", "cluster"], env=env, timeout=10) and True,
-                    30,
-                )
-            for proctrack in candidates:
-                wanted.proctrack = proctrack
-                write_configs(dirs, wanted, password)
-                try:
-                    _start_slurm(dirs, wanted, env, timings)
-                    _check_ready(dirs, wanted, env, timings)
-                    break
-                except ClusterError as error:
-                    if proctrack == candidates[-1]:
-                        raise
-                    _say(f"with {proctrack}: {error}\nfalling back to proctrack/linuxproc")
-                    pids = _read_pids(dirs)
-                    for name in ("slurmd", "slurmctld"):
-                        _stop_one(pids, name, 15)
+            _start_cluster(dirs, wanted, env, timings)
         except BaseException:
-            for name in DAEMONS:
-                tail = _tail(dirs.logfile(name), 8)
-                if tail:
-                    _say(f"{dirs.logfile(name)}:\n{tail}")
-            if not keep_on_failure:
-                _say("stopping what was started")
-                _stop_all(dirs)
+            _after_failure(dirs, keep_on_failure)
             raise
     _say(f"{wanted.proctrack}; up in {time.monotonic() - started:.1f} s")
     return dirs.env()
+
+
+def _busy_ports(wanted: Settings) -> list[str]:
+    """The wanted ports already in use, each with the option that sets it."""
+    return [
+        f"{port} ({option})"
+        for port, option in (
+            (wanted.ctld_port, "--ctld-port"),
+            (wanted.slurmd_port, "--slurmd-port"),
+            (wanted.dbd_port, "--dbd-port"),
+            (wanted.mysql_port, "--mysql-port"),
+        )
+        if not _port_free(port)
+    ]
+
+
+def _start_cluster(dirs: Dirs, wanted: Settings, env: dict[str, str], timings: dict[str, float]) -> None:
+    """Start every daemon in order: munged, mariadbd, slurmdbd, then slurmctld and slurmd with the first process
+    tracking that works here (cgroup, else linuxproc)."""
+    with _step("prepare directory", timings):
+        password = _prepare_dirs(dirs)
+    with _step("munged", timings):
+        _start_munged(dirs, env)
+    with _step("mariadbd", timings):
+        _start_mariadbd(dirs, wanted, password, env)
+    usable, why = cgroup_usable()
+    candidates = ["proctrack/cgroup", "proctrack/linuxproc"] if usable else ["proctrack/linuxproc"]
+    if not usable:
+        _say(f"proctrack/cgroup cannot work here ({why}): using proctrack/linuxproc")
+    wanted.proctrack = candidates[0]
+    write_configs(dirs, wanted, password)
+    _write_wrappers(dirs)
+    with _step("slurmdbd", timings):
+        _start_daemon(dirs, "slurmdbd", [_binary("slurmdbd")], env)
+        # slurmctld registers the cluster on connect; slurmdbd must be listening by then
+        _wait(
+            "slurmdbd to answer sacctmgr",
+            lambda: _run([_binary("sacctmgr"), "-n", "show", "cluster"], env=env, timeout=10) and True,
+            30,
+        )
+    for proctrack in candidates:
+        wanted.proctrack = proctrack
+        write_configs(dirs, wanted, password)
+        try:
+            _start_slurm(dirs, wanted, env, timings)
+            _check_ready(dirs, wanted, env, timings)
+            break
+        except ClusterError as error:
+            if proctrack == candidates[-1]:
+                raise
+            _say(f"with {proctrack}: {error}\nfalling back to proctrack/linuxproc")
+            pids = _read_pids(dirs)
+            for name in ("slurmd", "slurmctld"):
+                _stop_one(pids, name, 15)
+
+
+def _after_failure(dirs: Dirs, keep_on_failure: bool) -> None:
+    """Show each daemon's last log lines and, unless told to keep them, stop what was started."""
+    for name in DAEMONS:
+        tail = _tail(dirs.logfile(name), 8)
+        if tail:
+            _say(f"{dirs.logfile(name)}:\n{tail}")
+    if not keep_on_failure:
+        _say("stopping what was started")
+        _stop_all(dirs)
 
 
 def down(directory: str | os.PathLike[str]) -> list[str]:

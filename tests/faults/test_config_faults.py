@@ -62,8 +62,11 @@ def run(tree: Path, config_name: str) -> tuple[float, subprocess.CompletedProces
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "1", "aggregate", "--configfile", config_name],
-        cwd=tree, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return time.monotonic() - started, result
 
 

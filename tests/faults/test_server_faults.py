@@ -229,8 +229,11 @@ def test_engine_hang_mid_cell(chain, matrix):
     seconds = time.monotonic() - stopped
     log = (chain.workdir / HANG_CELL_LOG).read_text()
     assert proc.returncode != 0
-    assert re.search(r"made no progress for \d+ s with requests in flight \(limit \d+ s, from this cell's warm-up\): "
-                     r"stopped, not reused", log), log[-3000:]  # fmt: skip
+    assert re.search(
+        r"made no progress for \d+ s with requests in flight \(limit \d+ s, from this cell's warm-up\): "
+        r"stopped, not reused",
+        log,
+    ), log[-3000:]
     assert seconds < 300  # not request_timeout_s (600 s here; 1800 s in config.yaml)
     ended_cleanly(chain.workdir, proc, HANG_CELL)
     matrix.record("engine-hang", seconds, f"to the end of the run; {HANG_SESSIONS} sessions, `stall_floor_s` 2 s")
@@ -282,7 +285,7 @@ def test_the_run_after_the_last_fault_completes_the_grid(chain):
     """Check 4 of the chain's last fault; the earlier ones' reruns each measured on a new server (next_run)."""
     kill_survivors(chain.workdir)
     rerun_completes(chain.workdir, unlock=chain.needs_unlock)
-    session = cell_file.read_cell(chain.workdir / CELL)[1]["server"]["session"]
+    session = cell_file.read_cell(chain.workdir / CELL)[1].server["session"]
     assert session not in chain.sessions  # measured on a new server, not on one a fault left behind
 
 
@@ -300,7 +303,7 @@ def test_no_server_outlives_a_terminated_snakemake(workdir, matrix):
         assert half_written(workdir) == []
         # The running cell was let finish: its file is there, whole, and holds the cell's measured requests.
         table, meta = cell_file.read_cell(workdir / CELL)
-        assert meta["cell"]["id"] == "prefix_cache/decode/ctx256_c1"
+        assert meta.spec.id == "prefix_cache/decode/ctx256_c1"
         assert table.column("phase").to_pylist().count("measured") > 0
         matrix.record("snakemake-sigterm", seconds, "until no process is left")
     finally:
@@ -380,7 +383,7 @@ def test_engine_hang_between_cells_is_not_reused(between, matrix):
     assert replaced in second_log
     match = re.search(r"\(ReadTimeout after ([\d.]+) s, limit (\d+) s\): replaced, not reused", second_log)
     assert match, second_log[-3000:]
-    measured_on = cell_file.read_cell(cells[second])[1]["server"]
+    measured_on = cell_file.read_cell(cells[second])[1].server
     assert measured_on["session"] != hung["session"]
     assert all(path.exists() for path in cells.values())
     assert (workdir / "results" / "tables" / "summary.parquet").exists()
@@ -419,8 +422,19 @@ def test_keep_going_past_a_broken_server_and_a_too_long_cell(workdir, matrix):
     seconds = max(float(m[1]) for log in logs if (m := re.search(r"after ([\d.]+) s\)", log)))
     assert seconds < 60  # vLLM parses its arguments after importing torch: about 10 s here
     too_long_log = (workdir / "results/logs/cells/prefix_cache/decode/ctx40000_c1.log").read_text()
-    assert re.search(r"workloads\.decode\.contexts: at context 40000 a request holds about 40016 tokens, more than "
-                     r"the 32768 the running server accepts", too_long_log)  # fmt: skip
+    assert re.search(
+        r"workloads\.decode\.contexts: at context 40000 a request holds about 40016 tokens, more than "
+        r"the 32768 the running server accepts",
+        too_long_log,
+    )
+    # The run's last lines (the Snakefile's onerror): each configuration with cells left, and why.
+    closing = result.stdout + result.stderr
+    assert "broken: 2 of 2 cells not measured; its server failed to start: the server for configuration" in closing
+    assert re.search(
+        r"prefix_cache: 1 of 2 cells not measured; cell prefix_cache/decode/ctx40000_c1: workloads\.decode\.contexts: "
+        r"at context 40000",
+        closing,
+    )
     assert half_written(workdir) == []
     assert wait_no_survivors(workdir, 30) == []
     matrix.record("server-fails-to-start", seconds, "vLLM's own exit")

@@ -68,6 +68,39 @@ def test_a_port_a_loading_server_holds_is_never_shared(sandbox, tmp_path, matrix
     all_stopped(sandbox, tmp_path)
 
 
+def left_in_time_wait(port: int) -> None:
+    """Leave connections on local ``port`` in TIME_WAIT, as a server that closed its clients' connections first
+    leaves them when it ends (the kernel keeps them a minute)."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its end of the connection waits out TIME_WAIT
+            client.recv(1)
+
+
+def test_a_port_in_time_wait_is_used_at_once(sandbox, tmp_path, matrix):
+    """Issue 42: the previous server's connections in TIME_WAIT failed the strict probe for a minute, and with a
+    one-port range (docs/gateway.md advises one for an existing gateway) the next configuration could not start."""
+    port = sandbox.port_range[0]
+    one_port = dataclasses.replace(sandbox, port_range=(port, port))
+    left_in_time_wait(port)
+    with socket.socket() as strict, pytest.raises(OSError):  # what the strict probe alone met
+        strict.bind(("127.0.0.1", port))
+    started = time.monotonic()
+    with server.lease("fake", one_port):
+        facts = server.ensure(fake_spec(), one_port, owner=None)
+    took = time.monotonic() - started
+    assert port_of(facts.url) == port
+    matrix.record("port-in-time-wait", took, "the start, on that port")
+    all_stopped(one_port, tmp_path)
+    with server.lease("fake", one_port):  # (4)
+        assert port_of(server.ensure(fake_spec(), one_port, owner=None).url) == port
+    all_stopped(one_port, tmp_path)
+
+
 def test_a_port_taken_between_the_probe_and_the_bind_is_retried_once_on_another(sandbox, tmp_path, matrix, caplog):
     """Another process binds the server's port while the server starts (here: as soon as its record names the
     port, during the stand-in's 2 s before it binds). The server exits with 'Address already in use'; servegrid
@@ -106,32 +139,40 @@ def test_a_port_taken_between_the_probe_and_the_bind_is_retried_once_on_another(
 
 
 def test_a_slow_start_blocks_no_other_configuration(sandbox, tmp_path, matrix):
-    """Configuration 'slow' (GPU 0) takes 6 s to turn healthy; meanwhile 'quick' (GPU 1) starts, is reused by its
-    next cell and stops, each at once: the host's state lock is not held through another configuration's start."""
-    slow, quick = dataclasses.replace(sandbox, gpus=[0]), dataclasses.replace(sandbox, gpus=[1])
+    """Configuration 'slow' (GPU 0) cannot turn healthy until the test lets it; meanwhile 'quick' (GPU 1) starts, is
+    reused by its next cell and stops: the host's state lock is not held through another configuration's start.
+    (A gate, not a delay: on a loaded machine quick's own start may take longer than any fixed delay of slow's.)"""
+    slow = dataclasses.replace(sandbox, gpus=[0], startup_timeout_s=120)
+    quick = dataclasses.replace(sandbox, gpus=[1])
+    gate = tmp_path / "let-slow-start"
     done: dict[str, server.ServerFacts] = {}
 
     def start_slow() -> None:
         with server.lease("slow", slow):
-            done["slow"] = server.ensure(fake_spec("slow", "--startup-delay", "6"), slow, owner=None)
+            done["slow"] = server.ensure(fake_spec("slow", "--start-when", str(gate)), slow, owner=None)
 
     starting = threading.Thread(target=start_slow)
     starting.start()
-    assert wait_for(lambda: (state.read(state.record_path(sandbox, "slow")) or {}).get("status") == "running", 20)
-    started = time.monotonic()
-    with server.lease("quick", quick):
-        first = server.ensure(fake_spec("quick"), quick, owner=None)
-    with server.lease("quick", quick):
-        again = server.ensure(fake_spec("quick"), quick, owner=None)
-    server.stop("quick", quick)
-    took = time.monotonic() - started
-    slow_still_starting = starting.is_alive()
-    starting.join(30)
+    try:
+        assert wait_for(lambda: (state.read(state.record_path(sandbox, "slow")) or {}).get("status") == "running", 20)
+        started = time.monotonic()
+        with server.lease("quick", quick):
+            first = server.ensure(fake_spec("quick"), quick, owner=None)
+        with server.lease("quick", quick):
+            again = server.ensure(fake_spec("quick"), quick, owner=None)
+        server.stop("quick", quick)
+        took = time.monotonic() - started
+        # slow cannot be healthy before the gate opens, so quick finished without waiting for slow's start
+        # exactly when slow is still starting now
+        slow_still_starting = starting.is_alive() and "slow" not in done
+    finally:
+        gate.touch()
+        starting.join(60)
     assert slow_still_starting, f"'quick' waited for 'slow' to finish its start ({took:.1f} s)"
     assert again.session == first.session
     assert done["slow"].configuration == "slow"
     matrix.record(
-        "slow-start-beside-others", took, "another configuration's start, reuse and stop, its 6 s start beside"
+        "slow-start-beside-others", took, "another configuration's start, reuse and stop, beside a start held open"
     )
     all_stopped(sandbox, tmp_path)
     # (4)

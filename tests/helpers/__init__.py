@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,20 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # keeps vLLM's default.
 TEST_ENGINE_ARGS = ("--enforce-eager",)
 # The model runner in the engine core's own process instead of a third one (vLLM's worker process): measured
-# 2026-12-03 (docs/architecture.md), healthy after 23-25 s instead of 33-38 s. The tree keeps the API server and
+# 2026-12-03 (docs/testing.md), healthy after 23-25 s instead of 33-38 s. The tree keeps the API server and
 # its engine core (the process the engine-hang fault stops), which is what the lifecycle tests take down.
 TEST_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+# The other user of a shared host, in the tests of what servegrid's servers answer them: ``nobody``, switched to as
+# root (the CI runs as root).
+ANOTHER_USER = 65534
+
+
+def as_another_user(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as :data:`ANOTHER_USER`, with none of this user's groups and none of its environment."""
+    return subprocess.Popen(
+        argv, user=ANOTHER_USER, group=ANOTHER_USER, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"}, **popen
+    )
 
 
 def worker_cores() -> tuple[int, int]:
@@ -52,12 +64,30 @@ def placed(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def free_port_range(width: int = 20) -> tuple[int, int]:
-    """A range of ports that are free right now (best effort)."""
+    """A range of ports free right now (best effort), below the kernel's ephemeral range. A port inside it may become
+    the source port of any outgoing connection on the host at any moment: in the clean-clone run of 2026-12-07 a
+    test server's port (an even one, as Linux's connect() prefers, next to the odd one bind(0) had given) was taken
+    that way twice between servegrid's check and the server's bind."""
+    import random
+
+    from servegrid.planning.host_checks import ephemeral_ports
+
+    low = (ephemeral_ports() or (32768, 60999))[0]
+    chooser = random.Random(os.getpid() * 1_000_003 + int.from_bytes(os.urandom(4), "big"))
+    for _ in range(200):
+        base = chooser.randrange(10_000, low - width)
+        if all(_bindable(port) for port in range(base, base + width + 1)):
+            return base, base + width
+    raise RuntimeError(f"no {width + 1} free ports in a row between 10000 and {low}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
-    base = min(base, 65000 - width)
-    return base, base + width
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def fake_spec(name: str = "fake", *flags: str) -> dict[str, Any]:
@@ -110,15 +140,23 @@ def synthetic_cell(
     preemptions: float = 0.0,
     kv_usage_max: float = 0.1,
     server: dict[str, Any] | None = None,
+    gpus: dict[str, Any] | None = None,
+    energy_j: float | None = None,
+    top_up_round: int = 0,
 ) -> None:
     """Write a cell file with known timings, as servegrid.pipeline.cell_job would (for aggregation/report tests);
-    ``server`` replaces facts of the server record (block_size, cache_mode, hit_blocks_dropped, ...)."""
+    ``server`` replaces facts of the server record (block_size, cache_mode, hit_blocks_dropped, ...); ``gpus`` is
+    what the GPU watch said (servegrid.measuring.gpu_watch; None: not watched); ``energy_j``, what the GPUs drew in
+    the one repeat (the server then counts every request's prompt and output tokens); ``top_up_round``: the file is
+    that round's top-up of the cell (its requests in repeat ``top_up_round``, its settings saying so)."""
     import random as _random
 
     from servegrid.records import cell_file
+    from servegrid.records.cell_record import CellRecord
+    from servegrid.records.cell_spec import CellSpec, Sessions
     from servegrid.records.request import RequestRecord
 
-    rng = _random.Random(f"{configuration}{mode}{context}{concurrency}")
+    rng = _random.Random(f"{configuration}{mode}{context}{concurrency}" + (f"/{top_up_round}" if top_up_round else ""))
     recs = []
     t = 1_000_000_000
     for i in range(requests):
@@ -152,29 +190,31 @@ def synthetic_cell(
             r.output_tokens_reported = output_tokens
             r.http_status = 200
             r.error = "HTTP 500: boom" if i >= requests - errors else None
+            r.repeat = top_up_round
             recs.append(r)
             t = r.end_ns
     for i in range(warmup_errors):  # failed unmeasured requests, as a warm-up the server refused
         failed = RequestRecord(f"w{i}", 0, i, "warmup", 1, context, output_tokens, http_status=500, error="HTTP 500")
         failed.t0_ns = failed.sent_ns = failed.intended_send_ns = 1_000_000_000
         recs.append(failed)
-    meta = {
-        "cell": {
-            "configuration": configuration,
-            "mode": mode,
-            "context": context,
-            "concurrency": concurrency,
-            "id": f"{configuration}/{mode}/ctx{context}_c{concurrency}",
-        },
-        "settings": {
+    delta: dict[str, float] = {"num_preemptions": preemptions}
+    if hit_rate is not None:  # the counters the hit rate comes from (a top-up's pooled cell derives it again)
+        delta |= {"prefix_cache_queries": 1000.0, "prefix_cache_hits": 1000.0 * hit_rate}
+    repeats = []
+    if energy_j is not None:
+        delta |= {"prompt_tokens": requests * turns * context, "generation_tokens": requests * turns * output_tokens}
+        repeats = [{"repeat": top_up_round, "route": "direct", "gpu_energy_j": energy_j}]
+    # Built as the cell job builds it (CellRecord.measured), so a synthetic cell is a cell file of today's format.
+    record = CellRecord.measured(
+        CellSpec(configuration, mode, context, Sessions(concurrency)),
+        {
             "mode": mode,
             "context": context,
             "concurrency": concurrency,
             "workload": {"suffix_tokens": 64, "output_tokens": output_tokens, "warmup_requests": 1},
-        },
-        "cache_state": "reset",
-        "spec_hash": f"hash-{configuration}",
-        "server": {
+        }
+        | ({"top_up": {"round": top_up_round, "first_repeat": top_up_round}} if top_up_round else {}),
+        {
             "configuration": configuration,
             "engine": "vllm",
             "session": f"session-{configuration}",
@@ -195,19 +235,30 @@ def synthetic_cell(
             "host": {"cpu": "Test CPU", "cpu_count": 2, "memory_gib": 23.5, "os": "Linux", "gpus": []},
             **(server or {}),
         },
-        "started_at": "2026-11-29T10:00:00+00:00",
-        "duration_s": (t - 1_000_000_000) / 1e9,
-        "server_metrics": {
-            "delta": {"num_preemptions": preemptions},
-            "derived": {
-                "prefix_cache_hit_rate": hit_rate,
-                "spec_acceptance_rate": None,
-                "spec_mean_acceptance_length": None,
+        {
+            "cache_state": "reset",
+            "duration_s": (t - 1_000_000_000) / 1e9,
+            "server_metrics": {
+                "delta": delta,
+                "derived": {
+                    "prefix_cache_hit_rate": hit_rate,
+                    "spec_acceptance_rate": None,
+                    "spec_mean_acceptance_length": None,
+                },
+                "gauges": {"samples": 3, "scrape_errors": 0, "kv_cache_usage_perc_max": kv_usage_max},
             },
-            "gauges": {"samples": 3, "scrape_errors": 0, "kv_cache_usage_perc_max": kv_usage_max},
+            "gpus": gpus,
+            "repeats": repeats,
         },
-    }
-    cell_file.write_cell(path, recs, meta)
+        started_at="2026-11-29T10:00:00+00:00",
+        ended_at="2026-11-29T10:00:00+00:00",
+    )
+    cell_file.write_cell(path, recs, record)
+
+
+def synthetic_cell_of(root: Path, cell: Any, **timings: Any) -> None:
+    """:func:`synthetic_cell` for a cell of an Experiment's grid (a CellSpec), at its path under ``root``."""
+    synthetic_cell(root / cell.path, cell.configuration, cell.mode, cell.context, cell.sessions, **timings)
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -218,10 +269,16 @@ def copy_workflow(dest: Path) -> Path:
     import shutil
     import subprocess
 
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = REPO / name
         if source.is_file():
@@ -239,8 +296,11 @@ def snakemake(workdir: Path, *args: str, timeout: float = 1800):  # type: ignore
 
     return subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
-        cwd=workdir, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:

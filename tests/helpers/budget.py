@@ -184,11 +184,15 @@ class Budget:
         for folder, seconds in sorted(folders.items(), key=lambda item: -sum(item[1])):
             write(f"{folder:<14}{len(seconds):>7}{_minutes(sum(seconds)):>12}")
         sessions = [*self.sessions, wall]
-        write(f"{'wall clock':<14}{'':>7}{_minutes(sum(sessions)):>12}   "
-              f"({' + '.join(_minutes(s) for s in sessions)}; test time adds up both cores' work)")  # fmt: skip
+        write(
+            f"{'wall clock':<14}{'':>7}{_minutes(sum(sessions)):>12}   "
+            f"({' + '.join(_minutes(s) for s in sessions)}; test time adds up both cores' work)"
+        )
         if starts:
-            write("server starts, by the logs they left: "
-                  + ", ".join(f"{kind} {n}" for kind, n in sorted(starts.items())))  # fmt: skip
+            write(
+                "server starts, by the logs they left: "
+                + ", ".join(f"{kind} {n}" for kind, n in sorted(starts.items()))
+            )
         write("ten slowest tests (setup + call + teardown), and what they spent it on:")
         for nodeid, row in sorted(rows.items(), key=lambda item: -item[1]["seconds"])[:10]:
             write(f"  {row['seconds']:6.1f} s  {nodeid}")

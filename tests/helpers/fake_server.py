@@ -79,6 +79,7 @@ def main() -> int:
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--startup-delay", type=float, default=0.2)
+    parser.add_argument("--start-when", help="stay unhealthy (not listening) until this file exists")
     args, _ = parser.parse_known_args()
     print(f"fake server pid {os.getpid()} args {sys.argv[1:]}", flush=True)
     if args.exit_at_start:
@@ -103,6 +104,8 @@ def main() -> int:
 
         signal.signal(signal.SIGTERM, shut_down)
     time.sleep(args.startup_delay)
+    while args.start_when and not os.path.exists(args.start_when):
+        time.sleep(0.05)
     print("CPU KV cache size: 12,345 tokens, Maximum concurrency for 4,096 tokens per request: 3.01x", flush=True)
     Handler.healthy = not args.never_healthy
     Handler.hang_after = args.hang_after

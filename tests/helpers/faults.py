@@ -117,6 +117,13 @@ FAULTS: dict[str, Fault] = {
         "host-wide claims give each its own port; each measures only the server it launched",
         "nothing left to do",
     ),
+    "port-in-time-wait": Fault(
+        "the only port of `port_range` held by the previous server's connections in TIME_WAIT (a minute after it "
+        "ended)",
+        "the port is used at once: TIME_WAIT holds no server, and the servers' own binds (SO_REUSEADDR) share a port "
+        "with it",
+        "nothing left to do",
+    ),
     "port-held-while-loading": Fault(
         "the first port of `port_range` bound, not yet listening, with SO_REUSEADDR and SO_REUSEPORT (a vLLM still "
         "loading its weights)",
@@ -186,9 +193,24 @@ FAULTS: dict[str, Fault] = {
     "engine-refuses": Fault(
         "the engine dies at its first request of its own error (vLLM's CPU build: Qwen3-Next, MTP and prefix "
         "caching together)",
-        "the configuration's cells are written as refused, naming the engine's exception and where it was raised; "
+        "once a second fresh start dies of the same root cause, the configuration's cells are written as refused, "
+        "naming the engine's exception and where it was raised; "
         "its other cells in the run start no server; the report names it and the verdict compares the others",
         "nothing left to do: the refusal is the configuration's result until its spec changes",
+    ),
+    "engine-oom": Fault(
+        "the engine dies at its first request of a fault of the moment (CUDA out of memory, a CUDA or NCCL error, "
+        "an engine process killed)",
+        "a failed start, not a refusal: the server is started once more; a second such death fails the "
+        "configuration's cells in this run, writes no cell file and records no refusal",
+        "measures the cells",
+    ),
+    "engine-dies-mid-cell": Fault(
+        "the engine dies of its own error after good requests of a cell",
+        "the cell fails, written nowhere, naming the engine's exception; the configuration's other cells of the run "
+        "fail at once without starting a server (a death of the moment, such as out of memory, is not recorded: "
+        "the next cell starts the server again)",
+        "measures the cells",
     ),
     "wire-reset": Fault(
         "connection reset mid-stream",
@@ -209,6 +231,19 @@ FAULTS: dict[str, Fault] = {
         "a warm-up request fails",
         "counted; the cell is marked invalid (its shared prefix may not be primed)",
         "nothing left to do (the cell is judged by `validity`)",
+    ),
+    "foreign-traffic": Fault(
+        "another client's requests reach the cell's server while the cell measures (another user of the host)",
+        "the cell is measured, then marked invalid: the server counted more first tokens in the measured phase than "
+        "the client sent (`foreign_requests`)",
+        "nothing left to do (the cell is judged by `validity`); measure it again when the server is yours alone",
+    ),
+    "dev-route-intruder": Fault(
+        "another user of the host calls the server's development routes while a cell measures (`/reset_prefix_cache` "
+        "every 50 ms, `/sleep`, `/collective_rpc`, `/server_info`)",
+        "refused (403) and logged in the server's log, on both routes: outside the OpenAI API, servegrid's vLLM "
+        "answers its own user only; the cell measures as if alone",
+        "nothing to do",
     ),
     "lost-between-stages": Fault(
         "the server exits between the cell's warm-up and its measured phase (killed, out of memory)",

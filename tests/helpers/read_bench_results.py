@@ -12,9 +12,21 @@ import pandas as pd
 from vllm.benchmarks.sweep.plot import PlotBinners, PlotFilters, _convert_inf_nan_strings, _json_load_bytes, plot
 
 root = Path(sys.argv[1])
-plot(root, Path(sys.argv[2]), fig_by=["mode"], row_by=["context"], col_by=[], curve_by=["configuration"],
-     var_x="max_concurrency", var_y="median_ttft_ms", filter_by=PlotFilters.parse_str(""),
-     bin_by=PlotBinners.parse_str(""), scale_x=None, scale_y=None, dry_run=True)  # fmt: skip
+plot(
+    root,
+    Path(sys.argv[2]),
+    fig_by=["mode"],
+    row_by=["context"],
+    col_by=[],
+    curve_by=["configuration"],
+    var_x="max_concurrency",
+    var_y="median_ttft_ms",
+    filter_by=PlotFilters.parse_str(""),
+    bin_by=PlotBinners.parse_str(""),
+    scale_x=None,
+    scale_y=None,
+    dry_run=True,
+)
 runs = {}
 for path in sorted(root.rglob("**/summary.json")):
     frame = pd.DataFrame.from_records(_convert_inf_nan_strings(_json_load_bytes(path)))

@@ -108,9 +108,12 @@ def vllm_server(tmp_path_factory):  # type: ignore[no-untyped-def]
     tiny_model.build(model_dir)
     experiment = Experiment(shared_config(model_dir), source="integration")
     runtime = server.Runtime(
-        port_range=free_port_range(), startup_timeout_s=600, shutdown_timeout_s=20, state_dir=str(root / "state"),
+        port_range=free_port_range(),
+        startup_timeout_s=600,
+        shutdown_timeout_s=20,
+        state_dir=str(root / "state"),
         cwd=str(REPO),
-    )  # fmt: skip
+    )
     cwd = os.getcwd()
     os.chdir(root)  # server logs land under root/results
     try:

@@ -50,9 +50,8 @@ def proxied(vllm_server):  # type: ignore[no-untyped-def]
         route="both",
         # 8 requests a side for decode: enough for a median (servegrid.stats.sampling); multi-turn has 6 conversations.
         **{"workloads.decode.requests_per_session": 4},
-        proxy={"version": PINNED, "command": [str(LITELLM)], "master_key_env": KEY_ENV,
-               "port": free_port_range()[0]},
-    )  # fmt: skip
+        proxy={"version": PINNED, "command": [str(LITELLM)], "master_key_env": KEY_ENV, "port": free_port_range()[0]},
+    )
     yield Experiment(raw, source="integration-gateway"), facts, runtime
     record = state.read(state.record_path(runtime, state.GATEWAY))
     if record:
@@ -68,12 +67,12 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
         out = tmp_path / f"{mode}.parquet"
         meta = run_cell(experiment, cell, out, owner=owner, runtime=runtime)
         paths.append(str(out))
-        assert meta["server"]["session"] == facts.session  # the shared vLLM server, reused
-        found = meta["gateway"]["check"]
+        assert meta.server["session"] == facts.session  # the shared vLLM server, reused
+        found = meta.gateway["check"]
         # LiteLLM 1.106 keeps only the final usage; the check says so instead of failing every request.
         assert found["per_chunk_usage"] is False
         assert found["same_text"] is True
-        assert meta["gateway"]["facts"]["version"] == PINNED
+        assert meta.gateway["facts"]["version"] == PINNED
         frame = per_request.derive(cell_file.read_cell(out)[0].to_pandas())
         rows = frame[frame["phase"] == "measured"]
         assert set(rows["route"]) == {"direct", "proxy"}
@@ -83,6 +82,11 @@ def test_cells_both_ways_are_token_exact_through_the_gateway(proxied, tmp_path):
         assert (through["output_tokens_reported"] == through["output_tokens_requested"]).all()
         assert (through["prompt_tokens_reported"] == through["prompt_tokens_requested"]).all()
         assert frame["request_id"].is_unique
+        # vLLM counted exactly the requests the client sent in each route's phase: the gateway added none (no
+        # retries, no health-check completions), so neither route reports foreign traffic.
+        for phase in (meta.facts(), *meta.other_routes.values()):
+            ttft_count = phase["server_metrics"]["delta"]["time_to_first_token_seconds_count"]
+            assert ttft_count == phase["client"]["requests_in_window"], phase["route"]
     # The shared server speculates (ngram): some chunks carry several tokens, which only the direct stream counts.
     decode = per_request.derive(cell_file.read_cell(paths[0])[0].to_pandas())
     assert decode.loc[decode["route"] == "direct", "chunk_tokens_exact"].all()
@@ -115,13 +119,16 @@ def test_an_existing_gateway_is_used_as_it_is(proxied, tmp_path):
     with gateway.lease(runtime):
         running = gateway.ensure(experiment, "both", runtime, owner)
     existing = Experiment(
-        with_changes(experiment.raw, route="proxy", proxy={"url": running.url, "models": {"both": "both"},
-                                                           "master_key_env": KEY_ENV}),
+        with_changes(
+            experiment.raw,
+            route="proxy",
+            proxy={"url": running.url, "models": {"both": "both"}, "master_key_env": KEY_ENV},
+        ),
         source="existing",
-    )  # fmt: skip
+    )
     (cell,) = [c for c in existing.cells() if c.mode == "decode" and not c.open_loop]
     meta = run_cell(existing, cell, tmp_path / "decode.parquet", owner=owner, runtime=runtime)
-    assert meta["gateway"]["facts"]["started_by_servegrid"] is False and meta["route"] == "proxy"
+    assert meta.gateway["facts"]["started_by_servegrid"] is False and meta.route == "proxy"
     rows = cell_file.read_cell(tmp_path / "decode.parquet")[0].to_pandas()
     assert set(rows["route"]) == {"proxy"}
     assert state.read(state.record_path(runtime, state.GATEWAY))["session"] == running.session  # none started
@@ -139,9 +146,15 @@ def test_a_dropped_field_is_named_at_the_first_request(proxied):
         facts_gw = gateway.ensure(dropping, "both", runtime, owner)  # another model_list: started again
         with pytest.raises(GatewayError, match="stream_options"):
             gateway_check.check(
-                engines.get("vllm"), facts.url, {}, "tiny-qwen3",
-                facts_gw.url, gateway.headers(dropping.proxy), "both", chat=False,
-            )  # fmt: skip
+                engines.get("vllm"),
+                facts.url,
+                {},
+                "tiny-qwen3",
+                facts_gw.url,
+                gateway.headers(dropping.proxy),
+                "both",
+                chat=False,
+            )
 
 
 def test_a_proxy_that_cannot_start_fails_fast_with_its_log(proxied):

@@ -12,6 +12,7 @@ from servegrid.analysis import aggregation
 from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.records import cell_file, per_request
+from servegrid.records.cell_spec import Rate
 from servegrid.serving import procs
 
 pytestmark = pytest.mark.vllm
@@ -19,11 +20,11 @@ pytestmark = pytest.mark.vllm
 
 def test_an_open_loop_cell_on_vllm_is_token_exact_on_schedule_and_summarised_as_a_rate(vllm_server, tmp_path):
     experiment, facts, runtime = vllm_server
-    (cell,) = [c for c in experiment.cells() if c.open_loop and not c.speedup]
+    (cell,) = [c for c in experiment.cells() if isinstance(c.load, Rate)]
     assert cell.id == "both/decode/ctx256_r4"
     out = tmp_path / "open.parquet"
     meta = run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()), runtime=runtime)
-    assert meta["server"]["session"] == facts.session  # the shared server, reused
+    assert meta.server["session"] == facts.session  # the shared server, reused
     frame = per_request.derive(cell_file.read_cell(out)[0].to_pandas())
     measured = frame[frame["phase"] == "measured"]
     assert len(measured) == 16 and measured["valid"].all(), measured[["error", "output_tokens_reported"]]
@@ -32,7 +33,7 @@ def test_an_open_loop_cell_on_vllm_is_token_exact_on_schedule_and_summarised_as_
     # Sent when due: the client kept the schedule (its own limit is validity.max_send_delay_s; here a wider one,
     # the shared host runs the server on the same cores).
     assert measured["send_delay_s"].max() < 0.1, measured["send_delay_s"].describe()
-    (run,) = meta["open_loop"]
+    (run,) = meta.open_loop
     assert not run["saturated"] and run["not_sent"] == 0
     summary = aggregation.aggregate(experiment, [str(out)], RunTables.under(tmp_path / "tables"))
     (row,) = summary.to_dict("records")

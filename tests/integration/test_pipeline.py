@@ -141,8 +141,9 @@ def test_a_newer_job_script_reruns_nothing(pipeline_run):
         script.touch()
     dry = snakemake(workdir, "-n", "--cores", "1", "report", "--configfile", "test.yaml")
     assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout[-3000:]
-    with_code = snakemake(workdir, "-n", "--cores", "1", "report", "--configfile", "test.yaml",
-                          "--rerun-triggers", "code", "params")  # fmt: skip
+    with_code = snakemake(
+        workdir, "-n", "--cores", "1", "report", "--configfile", "test.yaml", "--rerun-triggers", "code", "params"
+    )
     assert re.search(r"rule cell:", with_code.stdout + with_code.stderr)  # what the profile's choice prevents
 
 
@@ -255,6 +256,16 @@ def test_editing_a_label_redraws_exactly_the_figures_and_reports(pipeline_run, b
     html = (workdir / "results" / "report" / "servegrid-pt.html").read_text()
     assert "ngram, relabelled" in html and old not in html  # headers and winner columns alike
     baseline.update(raw)
+
+
+def test_a_new_price_reprices_the_tables_and_reports_and_measures_nothing(pipeline_run, baseline):
+    """Issue 43: the cost: section is a declared input of the aggregation and the report, never of a cell."""
+    workdir, _ = pipeline_run
+    raw = copy.deepcopy(baseline)
+    raw["cost"] = {"device_per_hour": 1.25, "currency": "EUR"}
+    counts, cells = plan(workdir, raw)
+    assert cells == set() and "server_spec" not in counts, counts
+    assert counts.get("aggregate") == 1 and counts.get("report") == 1, counts
 
 
 @pytest.mark.parametrize(("key", "value"), [("title", "Relabelled experiment"), ("hardware", "a 2-core test box")])

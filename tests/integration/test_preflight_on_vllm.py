@@ -55,3 +55,22 @@ def test_the_seed_config_here_says_what_it_checked_and_what_it_could_not(seed_ra
         assert "engine configuration: create_engine_config" not in report.checked[name]  # no checkpoint here
     text = report.text()
     assert "UNCHECKED GPUs: no nvidia-smi" in text and "not on this machine" in text
+
+
+def test_a_file_the_offline_cache_lacks_is_a_warning_where_the_server_may_download_it(tiny_checkpoint, tmp_path):
+    """Issue 42: the Hugging Face cache holds a Hub checkpoint's config.json alone (what an earlier preflight
+    fetched), and building the engine's configuration needs another file (here a tokenizer from another repo). The
+    probe never downloads, the server will: unchecked, a warning, never an error that stops the run."""
+    from servegrid.engines import vllm_preflight
+
+    repo = tmp_path / "hf" / "hub" / "models--someorg--tiny"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123" / "config.json").write_bytes((tiny_checkpoint / "config.json").read_bytes())
+    argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "someorg/tiny"]
+    argv += ["--tokenizer", "someorg/not-cached", "--max-model-len", "4096"]
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}  # the server may download; the probe never does
+    findings, _ = vllm_preflight.probe({"tiny": argv}, env, 600)["tiny"]
+    assert [f.level for f in findings] == ["warning"], findings
+    assert "the offline cache does not hold" in findings[0].message and "LocalEntryNotFoundError" in findings[0].message

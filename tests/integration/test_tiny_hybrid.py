@@ -20,8 +20,15 @@ from servegrid.serving import tiny_model
 
 pytestmark = pytest.mark.vllm
 
-SPEC = TinyModelSpec(corpus_sentences=2000, architecture="qwen3_next", mtp="repeat", hidden_size=256,
-                     intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+SPEC = TinyModelSpec(
+    corpus_sentences=2000,
+    architecture="qwen3_next",
+    mtp="repeat",
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def tensors(path: Path) -> dict[str, np.ndarray]:

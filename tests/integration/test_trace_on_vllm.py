@@ -14,6 +14,7 @@ from servegrid.modes import trace_source
 from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.records import cell_file, per_request
+from servegrid.records.cell_spec import Replay
 from servegrid.serving import procs
 
 pytestmark = pytest.mark.vllm
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.vllm
 
 def test_a_replayed_trace_on_vllm_is_token_exact_and_hits_the_cache_as_the_trace_reuses(vllm_server, tmp_path):
     experiment, _, runtime = vllm_server
-    (cell,) = [c for c in experiment.cells() if c.speedup]
+    (cell,) = [c for c in experiment.cells() if isinstance(c.load, Replay)]
     assert cell.id == "both/trace/ctx0_x1"
     out = tmp_path / "trace.parquet"
     run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()), runtime=runtime)

@@ -20,7 +20,7 @@ def measure(vllm_server, mode, tmp_path):  # type: ignore[no-untyped-def]
     (cell,) = [c for c in experiment.cells() if c.mode == mode and not c.open_loop]
     out = tmp_path / f"{mode}.parquet"
     meta = run_cell(experiment, cell, out, owner=procs.ProcessRef.of(os.getpid()), runtime=runtime)
-    assert meta["server"]["session"] == facts.session  # the shared server was reused
+    assert meta.server["session"] == facts.session  # the shared server was reused
     table, stored = cell_file.read_cell(out)
     frame = per_request.derive(table.to_pandas())
     return frame, stored
@@ -48,12 +48,15 @@ def test_decode_is_token_exact_cold_and_speculative(vllm_server, tmp_path):
     assert rows["valid"].all(), rows[["error", "prompt_tokens_reported", "output_tokens_reported"]]
     assert (rows["prompt_tokens_reported"] == 256).all()
     assert (rows["output_tokens_reported"] == 48).all()
-    derived = meta["server_metrics"]["derived"]
+    derived = meta.server_metrics["derived"]
     assert derived["prefix_cache_hit_rate"] < 0.05  # cold prompts
     assert derived["spec_acceptance_rate"] > 0  # greedy random weights cycle: ngram drafts accepted
     # Speculative chunks carry several tokens; per-token ITL is finer than the chunk gap.
     assert rows["tokens_per_chunk"].mean() > 1
     assert (frame[frame["phase"] == "warmup"]["valid"]).all()
+    # vLLM counted exactly the client's requests between the phase's two scrapes: no foreign traffic reported
+    # where there was none.
+    assert meta.server_metrics["delta"]["time_to_first_token_seconds_count"] == meta.client["requests_in_window"]
 
 
 def test_single_turn_reuses_the_shared_prefix(vllm_server, tmp_path):
@@ -62,7 +65,7 @@ def test_single_turn_reuses_the_shared_prefix(vllm_server, tmp_path):
     assert rows["valid"].all()
     assert (rows["prompt_tokens_reported"] == 1024 + 64).all()
     expected = 1024 / (1024 + 64)
-    assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] >= 0.8 * expected
+    assert meta.server_metrics["derived"]["prefix_cache_hit_rate"] >= 0.8 * expected
     probe = frame[frame["phase"] == "probe"].sort_values("turn")
     assert len(probe) == 2 and probe["valid"].all()
     first, second = probe["ttft_s"].tolist()
@@ -78,4 +81,4 @@ def test_multi_turn_grows_a_real_conversation(vllm_server, tmp_path):
     by_turn = rows.groupby("turn")["prompt_tokens_reported"].mean()
     growth = by_turn.diff().dropna()
     assert ((growth > 100) & (growth < 200)).all(), by_turn  # ~tokens_per_turn (128) per turn
-    assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] > 0.3
+    assert meta.server_metrics["derived"]["prefix_cache_hit_rate"] > 0.3

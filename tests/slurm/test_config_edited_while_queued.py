@@ -36,8 +36,9 @@ def grid(output_tokens: int) -> dict:  # type: ignore[type-arg]
 
 
 def queue(slurm_cluster, state: str) -> list[str]:  # type: ignore[no-untyped-def]
-    done = subprocess.run(["squeue", "-h", "-t", state, "-o", "%i"], env=slurm_cluster.env, capture_output=True,
-                          text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        ["squeue", "-h", "-t", state, "-o", "%i"], env=slurm_cluster.env, capture_output=True, text=True, check=True
+    )
     return done.stdout.split()
 
 
@@ -47,16 +48,32 @@ def test_a_job_queued_before_an_edit_measures_what_its_run_planned(tmp_path, slu
     planned = grid(PLANNED_TOKENS)
     write_yaml(config, planned)
     # Every CPU of the node, little memory (--exclusive would book all memory too, more than DefMemPerCPU allows).
-    cpus = subprocess.run(["sinfo", "-h", "-o", "%c"], env=slurm_cluster.env, capture_output=True, text=True,
-                          check=True).stdout.split()[0]  # fmt: skip
-    submitted = subprocess.run(["sbatch", "--parsable", "-c", cpus, "--mem", "100", "--wrap", "sleep 600"],
-                               env=slurm_cluster.env, capture_output=True, text=True)  # fmt: skip
+    cpus = subprocess.run(
+        ["sinfo", "-h", "-o", "%c"], env=slurm_cluster.env, capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "-c", cpus, "--mem", "100", "--wrap", "sleep 600"],
+        env=slurm_cluster.env,
+        capture_output=True,
+        text=True,
+    )
     assert submitted.returncode == 0, submitted.stderr
     blocker = submitted.stdout.strip()
-    argv = [sys.executable, "-m", "snakemake", "aggregate", "--profile", "profiles/slurm", "--configfile",
-            "config/queued.yaml", "--default-resources", "mem_mb=2000"]  # fmt: skip
-    process = subprocess.Popen(argv, cwd=workdir, env=slurm_cluster.env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "aggregate",
+        "--profile",
+        "profiles/slurm",
+        "--configfile",
+        "config/queued.yaml",
+        "--default-resources",
+        "mem_mb=2000",
+    ]
+    process = subprocess.Popen(
+        argv, cwd=workdir, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     started = time.monotonic()
     try:
         assert wait_for(lambda: blocker in queue(slurm_cluster, "R"), 60), "the blocker never ran"
@@ -81,8 +98,8 @@ def test_a_job_queued_before_an_edit_measures_what_its_run_planned(tmp_path, slu
     (path,) = sorted((workdir / "results" / "cells").rglob("*.parquet"))
     table, meta = cell_file.read_cell(path)
     frame = table.to_pandas()
-    assert meta["slurm_job"] == job
-    assert meta["settings"]["workload"]["output_tokens"] == PLANNED_TOKENS
+    assert meta.slurm_job == job
+    assert meta.settings["workload"]["output_tokens"] == PLANNED_TOKENS
     measured = frame[frame["phase"] == "measured"]
     assert len(measured) == 4
     assert set(measured["output_tokens_requested"]) == set(measured["output_tokens_reported"]) == {PLANNED_TOKENS}
@@ -96,8 +113,7 @@ def test_a_job_queued_before_an_edit_measures_what_its_run_planned(tmp_path, slu
     assert wait_no_survivors(workdir, 30) == []
 
     # The next run sees the edit: the cell is stale by its params.
-    dry = subprocess.run([*argv, "-n"], cwd=workdir, env=slurm_cluster.env, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    dry = subprocess.run([*argv, "-n"], cwd=workdir, env=slurm_cluster.env, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert str(path.relative_to(workdir)) in dry.stdout + dry.stderr
     assert "params" in (dry.stdout + dry.stderr).lower()

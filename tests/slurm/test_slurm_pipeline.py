@@ -38,9 +38,14 @@ def grid() -> dict[str, Any]:
         # 10 requests of 48 tokens: a cell of about 10 s, long enough to be cancelled in the middle (the scancel
         # follows the cell's first log line within a second)
         decode={"contexts": [256], "concurrency": [1], "output_tokens": 48, "requests_per_session": 10},
-        single_turn={"contexts": [1024], "concurrency": [1], "suffix_tokens": 32, "output_tokens": 8,
-                     "requests_per_session": 3},
-    )  # fmt: skip
+        single_turn={
+            "contexts": [1024],
+            "concurrency": [1],
+            "suffix_tokens": 32,
+            "output_tokens": 8,
+            "requests_per_session": 3,
+        },
+    )
     raw.pop("slo", None)
     return raw
 
@@ -55,13 +60,22 @@ def workdir(tmp_path_factory, slurm_cluster):  # type: ignore[no-untyped-def]
 
 def snakemake_args(*extra: str) -> list[str]:
     # Targets before the options that take several values (--default-resources would swallow them).
-    return [sys.executable, "-m", "snakemake", *extra, "--profile", "profiles/slurm", "--configfile",
-            "config/slurm-test.yaml", "--default-resources", "mem_mb=4000"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "snakemake",
+        *extra,
+        "--profile",
+        "profiles/slurm",
+        "--configfile",
+        "config/slurm-test.yaml",
+        "--default-resources",
+        "mem_mb=4000",
+    ]
 
 
 def run(workdir: Path, env: dict[str, str], *extra: str, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(snakemake_args(*extra), cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(snakemake_args(*extra), cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def measuring_cell(workdir: Path) -> Path | None:
@@ -85,16 +99,23 @@ def session_processes(session: str) -> list[psutil.Process]:
 
 
 def test_an_scancel_mid_cell_leaves_no_server_and_no_cell_file(workdir, slurm_cluster):
-    process = subprocess.Popen(snakemake_args("report"), cwd=workdir, env=slurm_cluster.env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        snakemake_args("report"),
+        cwd=workdir,
+        env=slurm_cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         started = wait_for(lambda: measuring_cell(workdir) is not None or process.poll() is not None, 900, 0.5)
         assert started and process.poll() is None, process.communicate()[0][-3000:] if started else "no cell started"
         log = measuring_cell(workdir)
         assert log is not None
         configuration = log.relative_to(workdir / "results" / "logs" / "cells").parts[0]
-        running = subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i"], env=slurm_cluster.env,
-                                 capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+        running = subprocess.run(
+            ["squeue", "-h", "-t", "R", "-o", "%i"], env=slurm_cluster.env, capture_output=True, text=True, check=True
+        ).stdout.split()
         assert len(running) == 1, running
         assert configuration == CONFIGURATION
         # The job keeps its servers in its own state folder (state.scope: <host>-job<id>), not the host's.
@@ -131,8 +152,8 @@ def test_the_rerun_measures_the_grid_in_one_job_on_one_server(workdir, slurm_clu
     cells = sorted((workdir / "results" / "cells" / CONFIGURATION).rglob("*.parquet"))
     metas = [cell_file.read_cell(path)[1] for path in cells]
     assert len(metas) == 2
-    slurm_jobs = {m["slurm_job"] for m in metas}
-    sessions = {m["server"]["session"] for m in metas}
+    slurm_jobs = {m.slurm_job for m in metas}
+    sessions = {m.server["session"] for m in metas}
     # every cell of the configuration measured in one Slurm job, not the cancelled one, on one server started once
     assert len(slurm_jobs) == 1 and None not in slurm_jobs, slurm_jobs
     assert len(sessions) == 1, sessions

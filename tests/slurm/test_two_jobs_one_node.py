@@ -55,9 +55,22 @@ def test_two_configurations_jobs_on_one_node_each_measure_on_their_own_server(tm
     flag.touch() if tmp_per_job else flag.unlink(missing_ok=True)
     # The workflow profile's cpu_server=1 would replace the command line's (docs/slurm.md): without it, four (a
     # group job books its two cells, side by side in the DAG, as two: GroupResources.basic_layered).
-    argv = [sys.executable, "-m", "snakemake", "aggregate", "--profile", "profiles/slurm", "--workflow-profile",
-            "none", "--configfile", "config/two-jobs.yaml", "--resources", "cpu_server=4", "--default-resources",
-            "mem_mb=2000"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "aggregate",
+        "--profile",
+        "profiles/slurm",
+        "--workflow-profile",
+        "none",
+        "--configfile",
+        "config/two-jobs.yaml",
+        "--resources",
+        "cpu_server=4",
+        "--default-resources",
+        "mem_mb=2000",
+    ]
     started = time.monotonic()
     try:
         result = subprocess.run(argv, cwd=workdir, env=slurm_cluster.env, capture_output=True, text=True, timeout=900)
@@ -72,8 +85,8 @@ def test_two_configurations_jobs_on_one_node_each_measure_on_their_own_server(tm
     for name in CONFIGURATIONS:
         metas = [cell_file.read_cell(p)[1] for p in sorted((workdir / "results" / "cells" / name).rglob("*.parquet"))]
         assert len(metas) == 2
-        assert len({m["server"]["session"] for m in metas}) == 1, f"{name}: its server was started more than once"
-        (jobs[name],) = {m["slurm_job"] for m in metas}
+        assert len({m.server["session"] for m in metas}) == 1, f"{name}: its server was started more than once"
+        (jobs[name],) = {m.slurm_job for m in metas}
         logs += "".join(p.read_text() for p in (workdir / "results" / "logs" / "cells" / name).rglob("*.log"))
     assert jobs["one"] != jobs["two"] and None not in jobs.values()
     assert "devices needed by" not in logs and "replaced" not in logs  # neither stopped the other's server

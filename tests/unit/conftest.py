@@ -18,8 +18,9 @@ def rendered(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp_path = tmp_path_factory.mktemp("rendered")
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp_path)
-        return render_both(*make_demo_grid(yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text()), tmp_path),
-                           tmp_path)  # fmt: skip
+        return render_both(
+            *make_demo_grid(yaml.safe_load((REPO / "config" / "cpu-demo.yaml").read_text()), tmp_path), tmp_path
+        )
 
 
 def render_both(experiment, cells, tmp_path):  # type: ignore[no-untyped-def]

@@ -44,9 +44,14 @@ def make_demo_grid(demo_raw, tmp_path):  # type: ignore[no-untyped-def]
     for cell in experiment.cells():
         # 30 requests (conversations) a cell: the fewest the demo's p90 objectives are judged from.
         synthetic_cell(
-            tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency, requests=30,
+            tmp_path / cell.path,
+            cell.configuration,
+            cell.mode,
+            cell.context,
+            cell.sessions,
+            requests=30,
             **timings[(cell.configuration, cell.mode)],
-        )  # fmt: skip
+        )
     return experiment, [c.path for c in experiment.cells()]
 
 
@@ -139,8 +144,17 @@ def test_overlapping_results_are_a_tie(tmp_path, monkeypatch, demo_raw):
     experiment = decode_only(demo_raw)
     for cell in experiment.cells():
         interval = 0.005 if cell.configuration == "ngram" else 0.00505  # 1% apart, 30% scatter
-        synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, 1,
-                       ttft_s=0.1, interval_s=interval, interval_spread=0.3, requests=8)  # fmt: skip
+        synthetic_cell(
+            tmp_path / cell.path,
+            cell.configuration,
+            cell.mode,
+            cell.context,
+            1,
+            ttft_s=0.1,
+            interval_s=interval,
+            interval_spread=0.3,
+            requests=8,
+        )
     comparisons = run_aggregate(experiment, [c.path for c in experiment.cells()], tmp_path)["comparisons"]
     assert len(comparisons) == 1
     row = comparisons.iloc[0]
@@ -192,8 +206,9 @@ def test_a_contradicting_hit_rate_invalidates_the_cell(tmp_path, monkeypatch, de
     monkeypatch.chdir(tmp_path)
     experiment = Experiment(demo_raw)
     cell = experiment.cell(configuration, mode, experiment.workload(mode).contexts[0], 1)
-    synthetic_cell(tmp_path / cell.path, configuration, mode, cell.context, 1, ttft_s=0.1, interval_s=0.01,
-                   hit_rate=hit_rate)  # fmt: skip
+    synthetic_cell(
+        tmp_path / cell.path, configuration, mode, cell.context, 1, ttft_s=0.1, interval_s=0.01, hit_rate=hit_rate
+    )
     row = run_aggregate(experiment, [cell.path], tmp_path)["summary"].iloc[0]
     assert bool(row["cache_contradiction"])
     assert not bool(row["valid"])
@@ -205,8 +220,17 @@ def test_a_failed_warm_up_invalidates_the_cell(tmp_path, monkeypatch, demo_raw):
     monkeypatch.chdir(tmp_path)
     experiment = Experiment(demo_raw)
     cell = experiment.cell("prefix_cache", "single_turn", 1024, 1)
-    synthetic_cell(tmp_path / cell.path, "prefix_cache", "single_turn", 1024, 1, ttft_s=0.1, interval_s=0.01,
-                   hit_rate=0.9, warmup_errors=1)  # fmt: skip
+    synthetic_cell(
+        tmp_path / cell.path,
+        "prefix_cache",
+        "single_turn",
+        1024,
+        1,
+        ttft_s=0.1,
+        interval_s=0.01,
+        hit_rate=0.9,
+        warmup_errors=1,
+    )
     row = run_aggregate(experiment, [cell.path], tmp_path)["summary"].iloc[0]
     assert row["n_unmeasured_errors"] == 1 and row["n_errors"] == 0
     assert not bool(row["valid"])
@@ -218,8 +242,18 @@ def test_kv_limited_cells_are_marked(tmp_path, monkeypatch, demo_raw, preemption
     monkeypatch.chdir(tmp_path)
     experiment = Experiment(demo_raw)
     cell = experiment.cell("ngram", "multi_turn", 1024, 4)
-    synthetic_cell(tmp_path / cell.path, "ngram", "multi_turn", 1024, 4, ttft_s=0.1, interval_s=0.01, turns=3,
-                   preemptions=preemptions, kv_usage_max=kv_usage_max)  # fmt: skip
+    synthetic_cell(
+        tmp_path / cell.path,
+        "ngram",
+        "multi_turn",
+        1024,
+        4,
+        ttft_s=0.1,
+        interval_s=0.01,
+        turns=3,
+        preemptions=preemptions,
+        kv_usage_max=kv_usage_max,
+    )
     row = run_aggregate(experiment, [cell.path], tmp_path)["summary"].iloc[0]
     assert bool(row["kv_limited"]) is limited
     assert row["peak_tokens_asked"] == 4 * (1024 + 32)
@@ -229,8 +263,13 @@ def test_requests_queued_while_the_cells_live_tokens_exceed_the_pool_are_kv_limi
     """vLLM's 'capacity' waiting reason also counts a full token budget, so queueing alone is not enough;
     queueing while the cell's live tokens cannot all fit the pool is, even where the 1-s gauge samples
     missed the peak usage (a demo cell: 69% sampled, 4 x 2,618 tokens asked of 9,216)."""
-    row = {"server_kv_cache_usage_perc_max": 0.69, "server_num_requests_waiting_capacity_max": 1.0,
-           "server_preemptions": 0.0, "kv_cache_tokens": 9216, "peak_tokens_asked": 10472}  # fmt: skip
+    row = {
+        "server_kv_cache_usage_perc_max": 0.69,
+        "server_num_requests_waiting_capacity_max": 1.0,
+        "server_preemptions": 0.0,
+        "kv_cache_tokens": 9216,
+        "peak_tokens_asked": 10472,
+    }
     assert summary_table.kv_limited(row, concurrency=4)
     assert not summary_table.kv_limited({**row, "server_num_requests_waiting_capacity_max": 0.0}, concurrency=4)
     assert not summary_table.kv_limited({**row, "peak_tokens_asked": 4000}, concurrency=4)  # it fits: queued for else
@@ -240,10 +279,19 @@ def test_each_cell_is_resampled_once_with_a_seed_of_its_own_and_its_ratio_interv
     rng = np.random.default_rng(7)
     slow, fast = rng.lognormal(np.log(0.3), 0.2, 60), rng.lognormal(np.log(0.1), 0.2, 60)
     rows = [
-        {"configuration": name, "mode": "single_turn", "context": 1024, "concurrency": 4, "phase": "measured",
-         "valid": True, "turn": 1, "ttft_s": value}
-        for name, values in (("a", slow), ("b", fast), ("c", fast)) for value in values
-    ]  # fmt: skip
+        {
+            "configuration": name,
+            "mode": "single_turn",
+            "context": 1024,
+            "concurrency": 4,
+            "phase": "measured",
+            "valid": True,
+            "turn": 1,
+            "ttft_s": value,
+        }
+        for name, values in (("a", slow), ("b", fast), ("c", fast))
+        for value in values
+    ]
     samples = verdict.CellSamples(pd.DataFrame(rows))
     a, b, c = ((name, "single_turn", 1024, 4) for name in "abc")
     low, high = samples.ratio_ci(a, b)
@@ -265,8 +313,7 @@ def test_the_run_summary_names_each_class_winner_the_invalid_cells_and_the_repor
     experiment, cells = demo_grid
     assert terminal_summary.text(experiment).startswith("servegrid: no tables yet")
     bad = next(c for c in experiment.cells() if c.configuration == "ngram" and c.mode == "decode")
-    synthetic_cell(tmp_path / bad.path, "ngram", "decode", 512, bad.concurrency, ttft_s=0.1, interval_s=0.002,
-                   errors=2)  # fmt: skip
+    synthetic_cell(tmp_path / bad.path, "ngram", "decode", 512, bad.sessions, ttft_s=0.1, interval_s=0.002, errors=2)
     Path(paths.SUMMARY_TABLE).parent.mkdir(parents=True)
     aggregation.aggregate(experiment, cells, RunTables())
     Path(paths.REPORT_PATTERN.format(lang="hu", ext="html")).parent.mkdir(parents=True)

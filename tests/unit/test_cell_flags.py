@@ -33,7 +33,9 @@ def calibration_experiment() -> Experiment:
             "configurations": {
                 "honest": {"label": "honest", "prefix_caching": True},
                 "misreports_tokens": {
-                    "label": "bad usage", "prefix_caching": True, "args": ["--prompt-tokens-offset", "1"],
+                    "label": "bad usage",
+                    "prefix_caching": True,
+                    "args": ["--prompt-tokens-offset", "1"],
                 },
                 "loses_its_cache": {"label": "no hits", "prefix_caching": True, "args": ["--no-prefix-cache"]},
                 "fails": {"label": "fails", "prefix_caching": True, "args": ["--fail-with", "400"]},
@@ -41,8 +43,13 @@ def calibration_experiment() -> Experiment:
             "workloads": {
                 "decode": {"contexts": [64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 2},
                 "single_turn": {"contexts": [512], "concurrency": [2], "suffix_tokens": 32, "output_tokens": 4},
-                "multi_turn": {"contexts": [128], "concurrency": [2], "turns": 3, "tokens_per_turn": 64,
-                               "output_tokens": 8},
+                "multi_turn": {
+                    "contexts": [128],
+                    "concurrency": [2],
+                    "turns": 3,
+                    "tokens_per_turn": 64,
+                    "output_tokens": 8,
+                },
             },
             "operations": {"request_timeout_s": 30},
             # The client's own headroom is judged by test_a_calm_client_is_not_flagged and
@@ -52,7 +59,7 @@ def calibration_experiment() -> Experiment:
             # at p99 15.8 ms after they were due, which is the same lagging loop seen from the send schedule).
             "validity": {"max_loop_lag_s": 0.1, "max_client_cpu": 0.95, "max_send_delay_s": 0.1},
         }
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -126,8 +133,11 @@ def test_a_cell_longer_than_the_servers_context_limit_fails_before_measuring(san
     raw["configurations"] = {"short": {"label": "short", "prefix_caching": True, "args": ["--context-limit", "300"]}}
     experiment = Experiment(raw)
     (cell,) = [c for c in experiment.cells("short") if c.mode == "single_turn"]
-    with pytest.raises(CellError, match=r"workloads\.single_turn\.contexts: at context 512 a request holds about 548 "
-                       r"tokens, more than the 300 the running server accepts"):  # fmt: skip
+    with pytest.raises(
+        CellError,
+        match=r"workloads\.single_turn\.contexts: at context 512 a request holds about 548 "
+        r"tokens, more than the 300 the running server accepts",
+    ):
         run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     assert not os.path.exists(cell.path)
 
@@ -145,8 +155,11 @@ def test_a_server_that_hangs_mid_cell_fails_the_cell_at_a_deadline_from_its_work
     experiment = Experiment(raw)
     (cell,) = [c for c in experiment.cells("hangs") if c.mode == "decode"]
     started = time.monotonic()
-    with pytest.raises(CellStalled, match=r"hangs/decode/ctx64_c2: the server made no progress for \d+ s with requests"
-                       r" in flight \(limit \d+ s, from this cell's warm-up\): stopped, not reused"):  # fmt: skip
+    with pytest.raises(
+        CellStalled,
+        match=r"hangs/decode/ctx64_c2: the server made no progress for \d+ s with requests"
+        r" in flight \(limit \d+ s, from this cell's warm-up\): stopped, not reused",
+    ):
         run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     assert time.monotonic() - started < 30  # not the 300 s of request_timeout_s
     assert not os.path.exists(cell.path)
@@ -155,8 +168,16 @@ def test_a_server_that_hangs_mid_cell_fails_the_cell_at_a_deadline_from_its_work
 
 def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
     raw = calibration_experiment().raw
-    raw["workloads"] = {"single_turn": {"contexts": [256], "concurrency": [2], "suffix_tokens": 16, "output_tokens": 4,
-                                        "requests_per_session": 3, "repeats": 3}}  # fmt: skip
+    raw["workloads"] = {
+        "single_turn": {
+            "contexts": [256],
+            "concurrency": [2],
+            "suffix_tokens": 16,
+            "output_tokens": 4,
+            "requests_per_session": 3,
+            "repeats": 3,
+        }
+    }
     experiment = Experiment(raw)
     (cell,) = experiment.cells("honest")
     meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
@@ -164,9 +185,9 @@ def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
     measured = table[table["phase"] == "measured"]
     assert sorted(measured["repeat"].unique()) == [0, 1, 2]
     assert len(measured) == 3 * 2 * 3 and measured["request_id"].is_unique
-    assert len(meta["repeats"]) == 3
+    assert len(meta.repeats) == 3
     # every repeat primes its own fresh prefix: each finds the prefix cached, none finds another's
-    assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] == pytest.approx(256 / 272)
+    assert meta.server_metrics["derived"]["prefix_cache_hit_rate"] == pytest.approx(256 / 272)
     tables = RunTables.under(tmp_path)
     aggregation.aggregate(experiment, [cell.path], tables)
     row = pd.read_parquet(tables.summary).iloc[0]
@@ -177,8 +198,9 @@ def test_repeats_are_pooled_and_keep_their_identity(sandbox, tmp_path):
 def _decode_cell(sandbox, tmp_path, concurrency: int = 4):  # type: ignore[no-untyped-def]
     raw = calibration_experiment().raw
     del raw["validity"]  # these tests judge the client's own gates: the defaults, not the loosened ones
-    raw["workloads"] = {"decode": {"contexts": [32], "concurrency": [concurrency], "output_tokens": 30,
-                                   "requests_per_session": 3}}  # fmt: skip
+    raw["workloads"] = {
+        "decode": {"contexts": [32], "concurrency": [concurrency], "output_tokens": 30, "requests_per_session": 3}
+    }
     experiment = Experiment(raw)
     (cell,) = experiment.cells("honest")
     run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
@@ -191,6 +213,7 @@ def test_a_calm_client_is_not_flagged(sandbox, tmp_path):
     row, requests = _decode_cell(sandbox, tmp_path)
     assert not bool(row["sends_slipped"]) and not bool(row["client_bottleneck"]), row["invalid_reasons"]
     assert row["client_loop_lag_p99_s"] < 0.01 and 0 < row["client_cpu_fraction"] < 0.9
+    assert row["foreign_requests"] == 0  # the server counted no request the client did not send
     measured = requests[requests["phase"] == "measured"]
     assert (measured["ttft_from_intended_s"] >= measured["ttft_s"]).all()
 
@@ -252,8 +275,8 @@ def test_client_and_server_cpus_confine_each_side(sandbox, tmp_path):
         meta = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
     finally:
         os.sched_setaffinity(0, before)
-    assert meta["client"]["cpus"] == [client_cpu]
-    assert meta["server"]["cpus"] == [server_cpu]
+    assert meta.client["cpus"] == [client_cpu]
+    assert meta.server["cpus"] == [server_cpu]
     (record,) = server.status(sandbox)
     assert os.sched_getaffinity(record["server"]["pid"]) == {server_cpu}
 

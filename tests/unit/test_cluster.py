@@ -25,8 +25,15 @@ def test_a_sequential_cell_books_its_measuring_ceiling_its_warm_up_and_its_overh
 
 def test_a_fixed_count_cell_books_every_request_at_its_timeout(demo_raw):
     raw = with_changes(demo_raw, sampling={"temperature": 0.0})
-    raw["workloads"] = {"decode": {"contexts": [512], "concurrency": [2], "output_tokens": 8,
-                                   "requests_per_session": 3, "warmup_requests": 0}}  # fmt: skip
+    raw["workloads"] = {
+        "decode": {
+            "contexts": [512],
+            "concurrency": [2],
+            "output_tokens": 8,
+            "requests_per_session": 3,
+            "warmup_requests": 0,
+        }
+    }
     fixed = Experiment(raw)
     (cell, *_) = fixed.cells("ngram")
     assert slurm.cell_time_limit_s(fixed, cell) == 3 * fixed.operations.request_timeout_s + slurm.CELL_OVERHEAD_S

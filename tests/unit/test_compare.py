@@ -15,8 +15,17 @@ def _run(folder, experiment, ngram_interval_s: float):  # type: ignore[no-untype
     folder.mkdir()
     for cell in experiment.cells():
         interval = 0.004 if cell.configuration == "prefix_cache" else ngram_interval_s
-        synthetic_cell(folder / cell.path, cell.configuration, "decode", 512, 1, ttft_s=0.1, interval_s=interval,
-                       requests=30, interval_spread=0.1)  # fmt: skip
+        synthetic_cell(
+            folder / cell.path,
+            cell.configuration,
+            "decode",
+            512,
+            1,
+            ttft_s=0.1,
+            interval_s=interval,
+            requests=30,
+            interval_spread=0.1,
+        )
     (folder / "tables").mkdir()
     run_aggregate(experiment, [str(folder / c.path) for c in experiment.cells()], folder / "tables")
 
@@ -36,8 +45,9 @@ def test_a_changed_configuration_moves_and_the_other_does_not(tmp_path, demo_raw
     )
     # The command: the text table (moved cells first), and a page per language in the report's words.
     demo = str(REPO / "config" / "cpu-demo.yaml")  # its report languages: pt, hu
-    code = cli.main(["compare", str(tmp_path / "old"), str(tmp_path / "new"), "--out", str(tmp_path / "pages"),
-                     "--config", demo])  # fmt: skip
+    code = cli.main(
+        ["compare", str(tmp_path / "old"), str(tmp_path / "new"), "--out", str(tmp_path / "pages"), "--config", demo]
+    )
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     assert out[0].startswith("servegrid compare: 2 cells in both runs, 1 moved beyond noise")

@@ -231,3 +231,21 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path, repo):
     text = text.replace("  ngram:\n", "  ngram:\n    <<: *base\n", 1)
     (tmp_path / "merge.yaml").write_text(text)
     assert Experiment.from_file(tmp_path / "merge.yaml").configurations["ngram"].speculative["method"] == "ngram"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gpu-host.example"])
+def test_development_routes_are_never_opened_beyond_loopback(seed_raw, host):
+    """Issue 42: with VLLM_SERVER_DEV_MODE=1 (the cache reset needs it), vLLM's /collective_rpc, /sleep and
+    /reset_prefix_cache answered without the API key, which guards /v1 only."""
+    assert seed_raw["engine"]["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    with pytest.raises(
+        ConfigError,
+        match=rf"operations.host: '{re.escape(host)}' is not a loopback address and "
+        r"engine.env sets VLLM_SERVER_DEV_MODE=1",
+    ):
+        Experiment(with_changes(seed_raw, **{"operations.host": host}))
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        Experiment(with_changes(seed_raw, **{"operations.host": loopback}))
+    without = with_changes(seed_raw, **{"operations.host": host})
+    del without["engine"]["env"]["VLLM_SERVER_DEV_MODE"]
+    Experiment(without)  # the cells then measure on fresh content: the preflight warns

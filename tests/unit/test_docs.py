@@ -49,3 +49,51 @@ def test_the_fault_matrix_lists_every_fault_the_suite_provokes():
     for row in rows:
         took = row.split(" | ")[2]
         assert re.fullmatch(r"(no error|[\d.]+ s)( \(.+\))?", took), f"not a measured time: {row}"
+
+
+ARCHITECTURE = (REPO / "docs" / "architecture.md").read_text()
+
+
+def test_architecture_lists_every_run_table():
+    """The run's tables as docs/architecture.md lists them are the fields of paths.RunTables, in order."""
+    from dataclasses import fields
+
+    from servegrid.paths import RunTables
+
+    sentence = ARCHITECTURE.split("`paths.RunTables`, one path per table: ", 1)[1].split(" (`test_docs`", 1)[0]
+    assert re.findall(r"`(\w+)`", sentence) == [f.name for f in fields(RunTables)]
+
+
+def test_architecture_gives_every_module_of_the_package_a_line():
+    """Every module of workflow/servegrid/ (but the __init__ files) is named in docs/architecture.md's module list,
+    under its folder's heading."""
+    listing = ARCHITECTURE.split("### Every module, one line each", 1)[1].split("\n## ", 1)[0]
+    named: dict[str, set[str]] = {}
+    folder = ""
+    for line in listing.splitlines():
+        heading = re.match(r"\*\*(?:`(\w+)/`|The root)\*\*", line)
+        if heading:
+            folder = heading.group(1) or ""
+        named.setdefault(folder, set()).update(re.findall(r"`(\w+)`", line))
+    package = REPO / "workflow" / "servegrid"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        parts = path.relative_to(package).with_suffix("").parts
+        if parts[-1] not in named.get(parts[0] if len(parts) > 1 else "", set()):
+            missing.append("/".join(parts))
+    assert not missing, f"docs/architecture.md lists no line for {missing}"
+
+
+def test_readme_is_a_newcomers_read():
+    """The README stays at reading length, names no path outside the repository, and lists every workload mode."""
+    from servegrid import modes
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert "../" not in readme
+    table = readme.split("| mode | what one cell does |", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", table, re.M) == modes.names()
+    for link in re.findall(r"\]\((docs/[\w.-]+)", readme):
+        assert (REPO / link).exists(), link

@@ -24,7 +24,8 @@ from servegrid.config import Experiment
 from servegrid.engines import Engine, StartupFacts
 from servegrid.engines.vllm import VLLMEngine
 from servegrid.pipeline.cell_job import run_cell
-from servegrid.records import cell_file
+from servegrid.records import cell_file, cell_format
+from servegrid.records.cell_record import CellRecord
 from servegrid.serving import procs, server
 from servegrid.testing import calibration as calibration_server
 from servegrid.testing import dialect as calibration_dialect
@@ -54,12 +55,17 @@ def calibration_experiment() -> Experiment:
             "workloads": {
                 "decode": {"contexts": [64], "concurrency": [2], "output_tokens": 8, "requests_per_session": 2},
                 "single_turn": {"contexts": [512], "concurrency": [2], "suffix_tokens": 32, "output_tokens": 8},
-                "multi_turn": {"contexts": [128], "concurrency": [2], "turns": 3, "tokens_per_turn": 64,
-                               "output_tokens": 8},
+                "multi_turn": {
+                    "contexts": [128],
+                    "concurrency": [2],
+                    "turns": 3,
+                    "tokens_per_turn": 64,
+                    "output_tokens": 8,
+                },
             },
             "operations": {"request_timeout_s": 30},
         }
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -68,11 +74,13 @@ def measure(sandbox, monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setenv(KEY_VAR, KEY)
     experiment = calibration_experiment()
 
-    def run(configuration: str, mode: str) -> tuple[pd.DataFrame, dict]:
+    def run(configuration: str, mode: str) -> tuple[pd.DataFrame, CellRecord]:
         (cell,) = [c for c in experiment.cells(configuration) if c.mode == mode]
         returned = run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
         table, meta = cell_file.read_cell(cell.path)
-        assert meta == json.loads(json.dumps(returned))
+        # What the job returned is what the file holds, in today's format.
+        assert meta.format_version == cell_format.FORMAT_VERSION
+        assert json.dumps(meta.facts(), sort_keys=True) == json.dumps(returned.facts(), sort_keys=True)
         frame = table.to_pandas()
         return frame[frame["phase"] == "measured"], meta
 
@@ -84,24 +92,24 @@ def test_a_cell_on_the_second_engine_is_launched_driven_and_read_through_it(meas
     assert len(rows) == 2 * 3 and rows["error"].isna().all()  # concurrency x requests_per_session (default 3)
     assert (rows["prompt_tokens_reported"] == 512 + 32).all() and (rows["output_tokens_reported"] == 8).all()
 
-    facts = meta["server"]
+    facts = meta.server
     assert facts["engine"] == "calibration"
     argv = facts["argv"]
     assert argv[argv.index("--dialect") + 1] == "calibration" and "--listen" in argv
     assert "--host" not in argv and not set(VLLMEngine().feature_flags(True, SPECULATIVE)) & set(argv)
     # The key went to the server under the calibration dialect's variable; it is nowhere in the cell file.
     assert facts["env"] == {calibration_dialect.API_KEY_VAR: "***"}
-    assert KEY not in json.dumps(meta)
+    assert KEY not in json.dumps(meta.facts())
     # Read from its start-up log line and its info endpoint.
     assert facts["kv_cache_tokens"] == calibration_dialect.KV_POOL_TOKENS
     assert facts["max_concurrency"] == calibration_dialect.KV_POOL_SEQUENCES
     assert facts["engine_version"] == calibration_dialect.BUILD
     assert facts["block_size"] == calibration_dialect.KV_BLOCK_TOKENS
     assert facts["max_model_len"] == calibration_dialect.CONTEXT_LIMIT
-    assert meta["cache_state"] == "reset"  # its own reset endpoint
+    assert meta.cache_state == "reset"  # its own reset endpoint
 
     # The server's counters, under its own names, read back by CalibrationEngine.parse_metrics.
-    server_metrics = meta["server_metrics"]
+    server_metrics = meta.server_metrics
     assert server_metrics["delta"]["prompt_tokens"] == 6 * (512 + 32)
     assert server_metrics["delta"]["generation_tokens"] == 6 * 8
     assert server_metrics["derived"]["prefix_cache_hit_rate"] == pytest.approx(512 / 544)
@@ -112,12 +120,12 @@ def test_a_cell_on_the_second_engine_is_launched_driven_and_read_through_it(meas
 
 def test_the_second_engines_feature_flags_switch_its_features(measure):
     rows, meta = measure("speculative", "decode")
-    argv = meta["server"]["argv"]
+    argv = meta.server["argv"]
     flags = CalibrationEngine().feature_flags(False, SPECULATIVE)
     assert argv[argv.index(flags[0]) :][: len(flags)] == flags
     assert rows["error"].isna().all()
     assert all(list(tokens) == [4, 4] for tokens in rows["chunk_tokens"])  # 3 draft tokens + 1 per step
-    derived = meta["server_metrics"]["derived"]
+    derived = meta.server_metrics["derived"]
     assert derived["spec_acceptance_rate"] == 1.0 and derived["spec_mean_acceptance_length"] == 4.0
     assert derived["prefix_cache_hit_rate"] == 0
 
@@ -128,7 +136,7 @@ def test_chat_turns_are_measured_with_the_second_engines_tokenizer(measure):
     assert sorted(rows["turn"].unique()) == [1, 2, 3]
     assert (rows["prompt_tokens_requested"] == rows["prompt_tokens_reported"]).all()
     assert (rows.loc[rows["turn"] == 1, "prompt_tokens_reported"] == 128).all()
-    assert meta["server_metrics"]["derived"]["prefix_cache_hit_rate"] > 0.3
+    assert meta.server_metrics["derived"]["prefix_cache_hit_rate"] > 0.3
 
 
 def _protocol() -> tuple[list[str], dict[str, inspect.Signature]]:

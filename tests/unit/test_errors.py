@@ -13,8 +13,15 @@ from servegrid import errors
 
 
 def test_every_expected_error_descends_from_the_root():
-    for error in (errors.ConfigError, errors.UnknownModeError, errors.ServerError, errors.CellError,
-                  errors.CellFileError, errors.OutputError, errors.ReportError):  # fmt: skip
+    for error in (
+        errors.ConfigError,
+        errors.UnknownModeError,
+        errors.ServerError,
+        errors.CellError,
+        errors.CellFileError,
+        errors.OutputError,
+        errors.ReportError,
+    ):
         assert issubclass(error, errors.ServegridError)
 
 
@@ -33,9 +40,9 @@ def test_guarded_turns_a_servegrid_error_into_one_line_and_an_exit_code(capsys):
 
 
 def cli(*args: str, cwd) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
-    return subprocess.run([sys.executable, "-m", "servegrid.pipeline.cli", *args], capture_output=True, text=True,
-                          cwd=cwd,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "servegrid.pipeline.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 def test_the_cli_prints_one_clear_line_for_bad_input(tmp_path, demo_raw):

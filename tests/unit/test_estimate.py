@@ -9,19 +9,21 @@ import pandas as pd
 import pytest
 
 from helpers import with_changes
-from servegrid.config import Cell, Experiment
+from servegrid.config import CellSpec, Experiment
 from servegrid.errors import ConfigError
 from servegrid.pipeline import cli
 from servegrid.planning import estimate
+from servegrid.records.cell_spec import Sessions
 
 
 def test_a_cells_rounds_come_from_the_sampling_rule(seed_raw):
     seed = Experiment(seed_raw)
-    assert estimate.rounds(seed, Cell("mtp", "decode", 1024, 1)) == (30, 300, 1800.0)
-    assert estimate.rounds(seed, Cell("mtp", "decode", 1024, 32)) == (1, 10, 1800.0)  # 32 samples a round
-    fixed = Experiment(with_changes(seed_raw, **{"sampling": {"temperature": 0.0},
-                                                 "workloads.decode.requests_per_session": 7}))  # fmt: skip
-    assert estimate.rounds(fixed, Cell("mtp", "decode", 1024, 4))[:2] == (7, 7)
+    assert estimate.rounds(seed, CellSpec("mtp", "decode", 1024, Sessions(1))) == (30, 300, 1800.0)
+    assert estimate.rounds(seed, CellSpec("mtp", "decode", 1024, Sessions(32))) == (1, 10, 1800.0)  # 32 samples a round
+    fixed = Experiment(
+        with_changes(seed_raw, **{"sampling": {"temperature": 0.0}, "workloads.decode.requests_per_session": 7})
+    )
+    assert estimate.rounds(fixed, CellSpec("mtp", "decode", 1024, Sessions(4)))[:2] == (7, 7)
 
 
 def test_without_an_earlier_run_the_range_spans_the_assumed_speeds_and_the_rule(seed_raw, tmp_path):
@@ -56,10 +58,19 @@ def test_an_earlier_run_gives_the_time_of_a_round(demo_raw, tmp_path):
     demo = Experiment(demo_raw)
     tables = tmp_path / "tables"
     tables.mkdir()
-    pd.DataFrame([
-        {"configuration": "ngram", "mode": "decode", "context": 512, "concurrency": 1, "duration_s": 4.0,
-         "primary_n": 40, "started_at": "2026-12-04T10:00:00+00:00"},
-    ]).to_parquet(tables / "summary.parquet")  # fmt: skip
+    pd.DataFrame(
+        [
+            {
+                "configuration": "ngram",
+                "mode": "decode",
+                "context": 512,
+                "concurrency": 1,
+                "duration_s": 4.0,
+                "primary_n": 40,
+                "started_at": "2026-12-04T10:00:00+00:00",
+            },
+        ]
+    ).to_parquet(tables / "summary.parquet")
     est = estimate.estimate(demo, tmp_path)
     by_id = {c.cell.id: c for c in est.cells}
     exact = by_id["ngram/decode/ctx512_c1"]
@@ -88,16 +99,43 @@ def test_the_cli_prints_the_range_and_the_cores_advice(capsys):
 
 
 def test_repeats_multiply_the_rounds_and_another_servers_cells_are_not_borrowed(demo_raw, tmp_path):
-    fixed = {"sampling": {"temperature": 0.0}, "workloads.decode.requests_per_session": 5,
-             "workloads.decode.duration_s": 2.0}  # fmt: skip
-    once = estimate.rounds(Experiment(with_changes(demo_raw, **fixed)), Cell("ngram", "decode", 512, 1))
+    fixed = {
+        "sampling": {"temperature": 0.0},
+        "workloads.decode.requests_per_session": 5,
+        "workloads.decode.duration_s": 2.0,
+    }
+    once = estimate.rounds(Experiment(with_changes(demo_raw, **fixed)), CellSpec("ngram", "decode", 512, Sessions(1)))
     assert once == (5, 5, 2.0)
     demo = Experiment(with_changes(demo_raw, **fixed, **{"workloads.decode.repeats": 3}))
-    assert estimate.rounds(demo, Cell("ngram", "decode", 512, 1)) == (15, 15, 6.0)
+    assert estimate.rounds(demo, CellSpec("ngram", "decode", 512, Sessions(1))) == (15, 15, 6.0)
     tables = tmp_path / "tables"
     tables.mkdir()
-    pd.DataFrame([
-        {"configuration": "ngram", "mode": "decode", "context": 512, "concurrency": 1, "duration_s": 4.0,
-         "primary_n": 40, "started_at": "2026-12-04T10:00:00+00:00", "spec_hash": "another server"},
-    ]).to_parquet(tables / "summary.parquet")  # fmt: skip
+    pd.DataFrame(
+        [
+            {
+                "configuration": "ngram",
+                "mode": "decode",
+                "context": 512,
+                "concurrency": 1,
+                "duration_s": 4.0,
+                "primary_n": 40,
+                "started_at": "2026-12-04T10:00:00+00:00",
+                "spec_hash": "another server",
+            },
+        ]
+    ).to_parquet(tables / "summary.parquet")
     assert {c.basis for c in estimate.estimate(demo, tmp_path).cells} == {"assumed"}
+
+
+def test_under_the_verdict_policy_a_cell_costs_its_first_pass_to_every_round_of_top_ups(seed_raw, tmp_path):
+    precision = estimate.estimate(Experiment(seed_raw), tmp_path)
+    verdict = estimate.estimate(
+        Experiment(with_changes(seed_raw, **{"sampling.policy": "verdict", "sampling.top_up_rounds": 3})), tmp_path
+    )
+    before = {c.cell.id: c for c in precision.cells}["mtp/decode/ctx1024_c1"]
+    after = {c.cell.id: c for c in verdict.cells}["mtp/decode/ctx1024_c1"]
+    slow = 1024 / 2000 + 512 / 15
+    assert after.measuring.low == before.measuring.low  # 30 samples: the first pass, as the precise case's least
+    assert after.measuring.high == pytest.approx(4 * 30 * slow)  # the first pass and three top-ups, 30 samples each
+    assert after.overhead.high == pytest.approx(4 * before.overhead.high)
+    assert "up to 3 top-ups" in after.basis

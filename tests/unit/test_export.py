@@ -25,8 +25,13 @@ def test_each_cell_reads_as_a_vllm_bench_result_in_upstreams_own_reader(demo_gri
     out = tmp_path / "vllm-bench"
     interchange.write_bench_results(tables["requests"], tables["summary"], "tiny-qwen3", out)
     reader = REPO / "tests" / "helpers" / "read_bench_results.py"
-    result = subprocess.run([str(VLLM_PYTHON), str(reader), str(out), str(tmp_path / "figures")], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    result = subprocess.run(
+        [str(VLLM_PYTHON), str(reader), str(out), str(tmp_path / "figures")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Group: {'mode': 'decode'}" in result.stdout  # upstream grouped the runs it found
     runs = json.loads(result.stdout.split("RUNS ", 1)[1])

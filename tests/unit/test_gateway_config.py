@@ -35,12 +35,14 @@ def proxied(demo_raw, **changes):  # type: ignore[no-untyped-def]
         ({"route": "both", "proxy": {"version": "1.82.7"}}, "proxy.version: LiteLLM 1.82.7 was published"),
         ({"route": "both", "proxy": {"version": "1.82.8"}}, "proxy.version: LiteLLM 1.82.8"),
         ({"route": "both", "proxy": {"args": ["--port", "9"]}}, "proxy.args: '--port' is set by servegrid"),
-        ({"route": "both", "proxy": {"url": "http://127.0.0.1:4000", "models": {"nope": "x"}}},
-         "proxy.models: no configuration named nope"),
+        (
+            {"route": "both", "proxy": {"url": "http://127.0.0.1:4000", "models": {"nope": "x"}}},
+            "proxy.models: no configuration named nope",
+        ),
         ({"route": "both", "proxy": {"model_params": {"api_key": "sk-live"}}}, "proxy.model_params.api_key"),
         ({"route": "sideways", "proxy": {}}, "route"),
     ],
-)  # fmt: skip
+)
 def test_bad_gateway_settings_name_the_key(demo_raw, changes, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
         Experiment(with_changes(demo_raw, **changes), source="demo.yaml")
@@ -148,11 +150,19 @@ def _requests(shift_s: float, n: int, seed: int) -> pd.DataFrame:
     base = rng.normal(0.100, 0.005, n)
     return pd.DataFrame(
         {
-            "configuration": "a", "mode": "decode", "context": 512, "concurrency": 1, "rate": 0.0, "phase": "measured",
-            "valid": True, "ttft_s": base + shift_s, "tpot_s": base / 10 + shift_s / 10, "e2e_s": base * 3 + shift_s,
+            "configuration": "a",
+            "mode": "decode",
+            "context": 512,
+            "concurrency": 1,
+            "rate": 0.0,
+            "phase": "measured",
+            "valid": True,
+            "ttft_s": base + shift_s,
+            "tpot_s": base / 10 + shift_s / 10,
+            "e2e_s": base * 3 + shift_s,
             "chunk_tokens_exact": True,
         }
-    )  # fmt: skip
+    )
 
 
 def test_the_added_latency_is_the_shift_with_an_interval_around_it():

@@ -63,8 +63,14 @@ def test_a_folder_servegrid_did_not_build_is_never_replaced(tmp_path, demo_raw):
 def test_a_hybrid_is_three_linear_attention_layers_to_one_full_attention_layer(tmp_path):
     """The layout of the Qwen models that ship MTP layers (Qwen3-Next), at the spec's size; an MTP layer only
     where asked for, and then the weights are written (a test of its own: tests/integration/test_tiny_hybrid.py)."""
-    spec = tiny_model.TinyModelSpec(corpus_sentences=2000, architecture="qwen3_next", num_hidden_layers=8,
-                                    hidden_size=256, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    spec = tiny_model.TinyModelSpec(
+        corpus_sentences=2000,
+        architecture="qwen3_next",
+        num_hidden_layers=8,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     tiny_model.build(tmp_path / "m", spec)
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3NextForCausalLM"] and config["model_type"] == "qwen3_next"
@@ -80,15 +86,21 @@ def test_a_hybrid_is_three_linear_attention_layers_to_one_full_attention_layer(t
     ("tiny", "args", "says"),
     [
         ({"mtp": "repeat"}, [], r"model\.tiny\.mtp: an MTP layer is built for architecture qwen3_next only"),
-        ({"architecture": "qwen3_next", "num_hidden_layers": 6}, ["--load-format", "dummy"],
-         r"model\.tiny\.num_hidden_layers: qwen3_next has one full-attention layer in four; 6 is not a multiple"),
+        (
+            {"architecture": "qwen3_next", "num_hidden_layers": 6},
+            ["--load-format", "dummy"],
+            r"model\.tiny\.num_hidden_layers: qwen3_next has one full-attention layer in four; 6 is not a multiple",
+        ),
         ({"architecture": "mamba"}, [], r"model\.tiny\.architecture: 'mamba' is not one of"),
-        ({"architecture": "qwen3_next", "mtp": "repeat"}, ["--load-format=dummy"],
-         r"engine\.args: model\.tiny\.mtp writes the weights .*'--load-format dummy' would replace them"),
+        (
+            {"architecture": "qwen3_next", "mtp": "repeat"},
+            ["--load-format=dummy"],
+            r"engine\.args: model\.tiny\.mtp writes the weights .*'--load-format dummy' would replace them",
+        ),
         ({}, [], r"engine\.args: model\.tiny builds a folder without weights, so the engine needs '--load-format"),
     ],
     ids=["mtp-on-dense", "layers", "architecture", "dummy-over-weights", "no-weights-no-dummy"],
-)  # fmt: skip
+)
 def test_a_tiny_model_the_builder_cannot_make_is_refused_before_anything_runs(demo_raw, tiny, args, says):
     from helpers import with_changes
     from servegrid.config import Experiment

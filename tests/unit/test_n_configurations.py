@@ -31,12 +31,22 @@ def measured(tmp_path, experiment: Experiment, skip: set[tuple[str, int]] = froz
     """Synthetic decode cells for every configuration; ``skip`` (configuration, concurrency) pairs are absent."""
     paths = []
     for cell in experiment.cells():
-        if (cell.configuration, cell.concurrency) in skip:
+        if (cell.configuration, cell.sessions) in skip:
             continue
-        interval = interval_at.get(f"{cell.configuration}{cell.concurrency}", INTERVALS[cell.configuration])
+        interval = interval_at.get(f"{cell.configuration}{cell.sessions}", INTERVALS[cell.configuration])
         path = tmp_path / cell.path
-        synthetic_cell(path, cell.configuration, "decode", cell.context, cell.concurrency, ttft_s=0.05,
-                       interval_s=interval, requests=30, hit_rate=0.0, interval_spread=0.05)  # fmt: skip
+        synthetic_cell(
+            path,
+            cell.configuration,
+            "decode",
+            cell.context,
+            cell.sessions,
+            ttft_s=0.05,
+            interval_s=interval,
+            requests=30,
+            hit_rate=0.0,
+            interval_spread=0.05,
+        )
         paths.append(str(path))
     out = RunTables.under(tmp_path)
     aggregation.aggregate(experiment, paths, out)
@@ -88,8 +98,9 @@ def test_the_production_table_covers_every_configuration_where_it_ran(demo_raw, 
     tables = measured(tmp_path, experiment, skip={("c", 4)})
     production = tables["production"].set_index("configuration")
     assert list(production.index) == ["a", "b", "c", "d"]  # the config's order
-    assert production["sustained_concurrency"].to_dict() == pytest.approx({"a": np.nan, "b": 4, "c": 1, "d": np.nan},
-                                                                          nan_ok=True)  # fmt: skip
+    assert production["sustained_concurrency"].to_dict() == pytest.approx(
+        {"a": np.nan, "b": 4, "c": 1, "d": np.nan}, nan_ok=True
+    )
     assert production.loc["c", "measured"] == "1" and production.loc["b", "winner"]
     assert production["winner"].sum() == 1
 
@@ -133,19 +144,36 @@ def test_multi_turn_figures_draw_each_of_five_configurations_with_its_own_line_a
     names = ["a", "b", "c", "d", "e"]
     raw = with_changes(demo_raw)
     raw["configurations"] = {n: {**demo_raw["configurations"]["prefix_cache"], "label": f"config {n}"} for n in names}
-    raw["workloads"] = {"multi_turn": {**demo_raw["workloads"]["multi_turn"], "contexts": [1024, 2048],
-                                       "concurrency": [1, 4]}}  # fmt: skip
+    raw["workloads"] = {
+        "multi_turn": {**demo_raw["workloads"]["multi_turn"], "contexts": [1024, 2048], "concurrency": [1, 4]}
+    }
     experiment = Experiment(raw)
     paths = []
     for cell in experiment.cells():
         path = tmp_path / cell.path
-        synthetic_cell(path, cell.configuration, "multi_turn", cell.context, cell.concurrency, turns=3,
-                       ttft_s=0.1 * (1 + names.index(cell.configuration)), interval_s=0.005, hit_rate=0.7)  # fmt: skip
+        synthetic_cell(
+            path,
+            cell.configuration,
+            "multi_turn",
+            cell.context,
+            cell.sessions,
+            turns=3,
+            ttft_s=0.1 * (1 + names.index(cell.configuration)),
+            interval_s=0.005,
+            hit_rate=0.7,
+        )
         paths.append(str(path))
     out = RunTables.under(tmp_path)
     aggregation.aggregate(experiment, paths, out)
-    painter = figures.Painter(experiment, pd.read_parquet(out.summary), pd.read_parquet(out.comparisons), str, "pt",
-                              "pt", pd.read_parquet(out.requests))  # fmt: skip
+    painter = figures.Painter(
+        experiment,
+        pd.read_parquet(out.summary),
+        pd.read_parquet(out.comparisons),
+        str,
+        "pt",
+        "pt",
+        pd.read_parquet(out.requests),
+    )
     labels = [f"config {n}" for n in names]
     for spec in modes.get("multi_turn").figures:
         fig = painter.draw("multi_turn", spec)
@@ -175,14 +203,20 @@ def test_the_printed_report_fits_the_page_with_eight_long_labels(demo_raw, tmp_p
 
     monkeypatch.chdir(tmp_path)
     names = list("abcdefgh")
-    raw = with_changes(demo_raw, slo={"decode": {"tpot_p90_ms": 6}, "single_turn": {"ttft_p90_ms": 400},
-                                      "multi_turn": {"ttft_p90_ms": 400}})  # fmt: skip
+    raw = with_changes(
+        demo_raw,
+        slo={"decode": {"tpot_p90_ms": 6}, "single_turn": {"ttft_p90_ms": 400}, "multi_turn": {"ttft_p90_ms": 400}},
+    )
     raw["configurations"] = {
-        n: {**demo_raw["configurations"]["ngram"], "label": {
-            "pt": f"configuração {n}: especulação ngram (3 tokens), sem prefix caching",
-            "hu": f"{n} konfiguráció: ngram spekuláció (3 token), prefix caching nélkül"}}
+        n: {
+            **demo_raw["configurations"]["ngram"],
+            "label": {
+                "pt": f"configuração {n}: especulação ngram (3 tokens), sem prefix caching",
+                "hu": f"{n} konfiguráció: ngram spekuláció (3 token), prefix caching nélkül",
+            },
+        }
         for n in names
-    }  # fmt: skip
+    }
     for mode, contexts in (("decode", [512]), ("single_turn", [1024, 2048]), ("multi_turn", [1024])):
         raw["workloads"][mode].update(contexts=contexts, concurrency=[1, 4])
     experiment = Experiment(raw)
@@ -190,9 +224,17 @@ def test_the_printed_report_fits_the_page_with_eight_long_labels(demo_raw, tmp_p
     for cell in experiment.cells():
         rank = names.index(cell.configuration)
         extra = {"turns": 3} if cell.mode == "multi_turn" else {}  # no prefix caching: no hits
-        synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
-                       ttft_s=0.05 * (1 + rank), interval_s=INTERVALS[cell.configuration], hit_rate=0.0,
-                       **extra)  # fmt: skip
+        synthetic_cell(
+            tmp_path / cell.path,
+            cell.configuration,
+            cell.mode,
+            cell.context,
+            cell.sessions,
+            ttft_s=0.05 * (1 + rank),
+            interval_s=INTERVALS[cell.configuration],
+            hit_rate=0.0,
+            **extra,
+        )
         paths.append(str(tmp_path / cell.path))
     out = RunTables.under(tmp_path)
     aggregation.aggregate(experiment, paths, out)
@@ -237,22 +279,34 @@ def test_a_cell_too_small_for_a_median_is_marked_on_the_axis_not_drawn(demo_raw,
     monkeypatch.chdir(tmp_path)
     raw = with_changes(demo_raw)
     raw["configurations"] = {n: {**demo_raw["configurations"]["prefix_cache"], "label": f"config {n}"} for n in "ab"}
-    raw["workloads"] = {"multi_turn": {**demo_raw["workloads"]["multi_turn"], "contexts": [1024],
-                                       "concurrency": [1, 4]}}  # fmt: skip
+    raw["workloads"] = {
+        "multi_turn": {**demo_raw["workloads"]["multi_turn"], "contexts": [1024], "concurrency": [1, 4]}
+    }
     experiment = Experiment(raw)
     paths = []
     for cell in experiment.cells():
         path = tmp_path / cell.path
-        few = cell.configuration == "a" and cell.concurrency == 1
-        synthetic_cell(path, cell.configuration, "multi_turn", cell.context, cell.concurrency, turns=3,
-                       requests=4 if few else 6, ttft_s=0.1, interval_s=0.005, hit_rate=0.7)  # fmt: skip
+        few = cell.configuration == "a" and cell.sessions == 1
+        synthetic_cell(
+            path,
+            cell.configuration,
+            "multi_turn",
+            cell.context,
+            cell.sessions,
+            turns=3,
+            requests=4 if few else 6,
+            ttft_s=0.1,
+            interval_s=0.005,
+            hit_rate=0.7,
+        )
         paths.append(str(path))
     out = RunTables.under(tmp_path)
     aggregation.aggregate(experiment, paths, out)
     summary = pd.read_parquet(out.summary)
     assert pd.isna(summary.set_index("cell_id").loc["a/multi_turn/ctx1024_c1", "primary_p50"])  # 4 samples
-    painter = figures.Painter(experiment, summary, pd.read_parquet(out.comparisons), str, "pt", "pt",
-                              pd.read_parquet(out.requests))  # fmt: skip
+    painter = figures.Painter(
+        experiment, summary, pd.read_parquet(out.comparisons), str, "pt", "pt", pd.read_parquet(out.requests)
+    )
     spec = next(s for s in modes.get("multi_turn").figures if s.kind == "primary_by_concurrency")
     fig = painter.draw("multi_turn", spec)
     (ax,) = [axis for axis in fig.axes if axis.axison]

@@ -22,20 +22,27 @@ from servegrid import modes
 from servegrid.analysis import aggregation
 from servegrid.config import Experiment
 from servegrid.errors import ConfigError
-from servegrid.modes.arrivals import Arrival, due_offsets_s, rate_label
-from servegrid.modes.open_loop import OpenLoop
+from servegrid.load.arrivals import Arrival, due_offsets_s
+from servegrid.load.strategies import RateStrategy
 from servegrid.paths import RunTables
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.records import cell_file
+from servegrid.records.cell_spec import rate_label
 from servegrid.records.per_request import derive
 from servegrid.serving import procs
 
 
-def open_loop_experiment(rate: float, window: dict, server_args: tuple[str, ...] = (), **decode: object) -> Experiment:  # type: ignore[type-arg]
+def open_loop_experiment(
+    rate: float,
+    window: dict,  # type: ignore[type-arg]
+    server_args: tuple[str, ...] = (),
+    send_delay_s: float = 0.01,
+    **decode: object,
+) -> Experiment:
     raw = calibration_experiment().raw
     # The shipped limit on send lag (calibration_experiment relaxes it to 100 ms for a shared host; here it is what
     # is judged, and what the tests assert of send times has its own, wider margin).
-    raw["validity"]["max_send_delay_s"] = 0.01
+    raw["validity"]["max_send_delay_s"] = send_delay_s
     raw["configurations"] = {"honest": {"label": "honest", "prefix_caching": True, "args": list(server_args)}}
     raw["workloads"] = {
         "decode": {
@@ -70,7 +77,7 @@ def test_the_schedule_is_seeded_and_its_patterns_differ_as_documented():
 
 
 def test_the_schedule_covers_the_ramp_the_window_and_a_drain():
-    load = OpenLoop(rate=2.0, arrival=Arrival("constant"), requests=10, ramp_s=3.0, max_in_flight=4, seed=0)
+    load = RateStrategy(rate=2.0, arrival=Arrival("constant"), requests=10, ramp_s=3.0, max_in_flight=4, seed=0)
     offsets, ramp = load.schedule()
     assert ramp == 6  # due at 0, 0.5, ... 2.5: before the ramp's end
     assert len(offsets) == ramp + 10 + 4 and offsets[ramp] == 3.0
@@ -90,8 +97,11 @@ def test_rates_name_cells_by_their_load_and_leave_closed_loop_cells_as_they_were
     assert (settings["concurrency"], settings["rate"], settings["sampling"]["rule"]) == (None, 0.5, None)
     assert settings["arrival"] == {"pattern": "poisson", "burstiness": 1.0}
     assert settings["open_loop"] == {
-        "requests": 100, "ramp_s": 5, "max_in_flight": 256, "think": {"mean_s": 1.0, "pattern": "exponential"}
-    }  # fmt: skip
+        "requests": 100,
+        "ramp_s": 5,
+        "max_in_flight": 256,
+        "think": {"mean_s": 1.0, "pattern": "exponential"},
+    }
     with pytest.raises(ConfigError, match="ctx64_r3 is not in the grid"):
         both.cell("honest", "decode", 64, "r3")
 
@@ -152,7 +162,7 @@ def test_the_client_sends_on_schedule_while_the_server_stalls(sandbox, tmp_path)
     assert not row["saturated"] and row["not_sent"] == 0
     assert row["achieved_rate"] == pytest.approx(20.0, rel=0.05)
     assert row["ramp_s"] == pytest.approx(0.5) and row["ramp_requests"] == ramp
-    assert meta["duration_s"] == pytest.approx(40 / 20)  # the measured arrivals' span, not the ramp or drain
+    assert meta.duration_s == pytest.approx(40 / 20)  # the measured arrivals' span, not the ramp or drain
 
 
 def test_an_open_loop_cell_says_where_it_stands_while_it_runs(sandbox, tmp_path, caplog, monkeypatch):
@@ -199,7 +209,7 @@ def test_a_rate_beyond_the_ceiling_is_saturated_which_is_a_result(sandbox, tmp_p
     measured = requests[requests["phase"] == "measured"]
     assert row["not_sent"] == 40 - len(measured) > 0
     assert measured["error"].isna().all()  # what was sent was answered: a result, not an error
-    (run,) = meta["open_loop"]
+    (run,) = meta.open_loop
     assert run["saturated"] and run["not_sent"] == row["not_sent"]
 
 
@@ -212,15 +222,17 @@ def test_the_report_shows_open_loop_cells_in_a_section_of_their_own_in_both_lang
     experiment = open_loop_experiment(10, window, concurrency=[2], requests_per_session=4)
     owner = procs.ProcessRef.of(os.getpid())
     cells = experiment.cells("honest")
-    assert [c.load for c in cells] == ["c2", "r10"]
+    assert [c.load.label for c in cells] == ["c2", "r10"]
     for cell in cells:
         run_cell(experiment, cell, cell.path, owner=owner, runtime=sandbox)
     tables = RunTables.under(tmp_path / "tables")
     summary = aggregation.aggregate(experiment, [c.path for c in cells], tables)
     assert list(summary["load"]) == ["c2", "r10"]
     assert len(pd.read_parquet(tables.comparisons)) == 0 or "r10" not in set(pd.read_parquet(tables.comparisons))
-    words = {"pt": ("Laço aberto", "Oferecida (req/s)", "Células medidas"),
-             "hu": ("Nyílt hurok", "Felkínált (kérés/s)", "Mért cellák")}  # fmt: skip
+    words = {
+        "pt": ("Laço aberto", "Oferecida (req/s)", "Células medidas"),
+        "hu": ("Nyílt hurok", "Felkínált (kérés/s)", "Mért cellák"),
+    }
     for lang, (heading, offered, cells_measured) in words.items():
         figures_dir = tmp_path / "figures" / lang
         figures.draw_all(experiment, tables, figures_dir, lang)
@@ -279,8 +291,14 @@ def test_the_rate_verdict_names_each_configurations_sustainable_rate_and_their_r
 def test_a_rate_is_not_sustained_below_its_goodput_share_or_against_its_objectives():
     from servegrid.analysis.rate_verdict import cell_sustains
 
-    base = {"valid": True, "saturated": False, "slo_met": True, "slo_attainment": 0.95, "goodput_rps": 9.5,
-            "offered_rate": 10.0}  # fmt: skip
+    base = {
+        "valid": True,
+        "saturated": False,
+        "slo_met": True,
+        "slo_attainment": 0.95,
+        "goodput_rps": 9.5,
+        "offered_rate": 10.0,
+    }
     assert cell_sustains(base, 0.9) == (True, None)
     assert cell_sustains({**base, "goodput_rps": 8.5}, 0.9) == (False, "goodput")
     assert cell_sustains({**base, "slo_met": False}, 0.9) == (False, "objectives")
@@ -299,7 +317,10 @@ def test_compare_matches_open_loop_cells_by_rate_and_judges_them_by_their_own_in
 
     window = {"requests": 60, "ramp_s": 0.2, "max_in_flight": 64}
     for run, interval in (("old", "0.004"), ("new", "0.008")):
-        experiment = open_loop_experiment(20, window, ("--interval", interval), output_tokens=16)
+        # What is judged here is the comparison, not the client's sends: the shared host's limit (100 ms), as
+        # calibration_experiment sets it. With 10 ms, a clean-clone run (2026-12-07, the machine also busy with
+        # other tests) found no valid cell to match; a cell invalidated by late sends is our reading, not checked.
+        experiment = open_loop_experiment(20, window, ("--interval", interval), send_delay_s=0.1, output_tokens=16)
         (cell,) = experiment.cells("honest")
         run_cell(experiment, cell, cell.path, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
         aggregation.aggregate(experiment, [cell.path], RunTables.under(tmp_path / run / "tables"))
@@ -318,11 +339,17 @@ def test_multi_turn_conversations_arrive_at_the_rate_and_each_turn_follows_its_t
     first turn is due on the schedule, each later one 0.2 s after the reply before it, and sent then."""
     raw = calibration_experiment().raw
     raw["configurations"] = {"honest": {"label": "honest", "prefix_caching": True}}
-    raw["workloads"] = {"multi_turn": {
-        "contexts": [128], "rates": [5], "turns": 3, "tokens_per_turn": 64, "output_tokens": 8,
-        "arrival": {"pattern": "constant"},
-        "open_loop": {"requests": 8, "ramp_s": 0.2, "think": {"mean_s": 0.2, "pattern": "constant"}},
-    }}  # fmt: skip
+    raw["workloads"] = {
+        "multi_turn": {
+            "contexts": [128],
+            "rates": [5],
+            "turns": 3,
+            "tokens_per_turn": 64,
+            "output_tokens": 8,
+            "arrival": {"pattern": "constant"},
+            "open_loop": {"requests": 8, "ramp_s": 0.2, "think": {"mean_s": 0.2, "pattern": "constant"}},
+        }
+    }
     row, requests, meta = measure(Experiment(raw), sandbox, tmp_path)
     measured = requests[requests["phase"] == "measured"].sort_values(["seq", "turn"])
     assert len(measured) == 8 * 3 and measured["error"].isna().all()
@@ -337,5 +364,5 @@ def test_multi_turn_conversations_arrive_at_the_rate_and_each_turn_follows_its_t
     # In requests/s, as the achieved rate and goodput are: 5 conversations/s of 3 turns (a verdict comparing
     # 15 requests/s of goodput with 5 offered would pass a server three times too slow).
     assert row["offered_rate"] == 15.0 and row["achieved_rate"] < 16
-    (run,) = meta["open_loop"]
+    (run,) = meta.open_loop
     assert run["ramp_requests"] == 1  # conversations, not requests: the one due at 0

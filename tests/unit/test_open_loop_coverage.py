@@ -73,8 +73,15 @@ def test_a_strongly_correlated_cell_is_flagged_more_often_than_a_calm_one():
 
 
 if __name__ == "__main__":
-    header = ["ρ", "n", "batch medians (5 batches)", "its width / median", "independent (order statistic)",
-              "n_eff (median)", "flagged (n_eff < n / 2 and < 40)"]  # fmt: skip
+    header = [
+        "ρ",
+        "n",
+        "batch medians (5 batches)",
+        "its width / median",
+        "independent (order statistic)",
+        "n_eff (median)",
+        "flagged (n_eff < n / 2 and < 40)",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|---|---|---|---|---|---|---|")
     for rho, n in ROWS:

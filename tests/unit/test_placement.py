@@ -7,18 +7,16 @@ with --cores 2 on a machine without a GPU.
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import datetime
 from itertools import combinations
 
-import pyarrow.parquet as pq
 import pytest
 
 from helpers import copy_workflow, snakemake, write_yaml
 from servegrid.config import Experiment
 from servegrid.errors import ServerError
-from servegrid.records.cell_file import METADATA_KEY
+from servegrid.records import cell_file
 from servegrid.serving import placement, server
 
 pytestmark = pytest.mark.exclusive  # Snakemake runs that place servers on cores
@@ -46,8 +44,7 @@ def test_in_a_slurm_job_the_config_names_counts_and_slurm_the_devices(seed_raw, 
 
 
 def test_in_a_slurm_job_cpus_are_the_jobs_first_ones():
-    where = placement.place("a", cpus=[0], gpus=[], client_cpus=[1], environ={"SLURM_JOB_ID": "7"},
-                            allowed_cpus=[6, 4])  # fmt: skip
+    where = placement.place("a", cpus=[0], gpus=[], client_cpus=[1], environ={"SLURM_JOB_ID": "7"}, allowed_cpus=[6, 4])
     assert (where.server_cpus, where.client_cpus, where.slurm_job) == ([4], [6], "7")
     outside = placement.place("a", cpus=[0], gpus=[1], client_cpus=[1], environ={}, allowed_cpus=[6, 4])
     assert (outside.server_cpus, outside.client_cpus, outside.gpus, outside.slurm_job) == ([0], [1], [1], None)
@@ -100,13 +97,13 @@ def placement_config() -> dict:
 def intervals(workdir) -> dict[str, list[tuple[datetime, datetime, str]]]:
     out: dict[str, list] = {}
     for path in sorted((workdir / "results" / "cells").glob("*/*/*.parquet")):
-        meta = json.loads(pq.read_schema(path).metadata[METADATA_KEY])
+        meta = cell_file.read_record(path)
         span = (
-            datetime.fromisoformat(meta["started_at"]),
-            datetime.fromisoformat(meta["ended_at"]),
-            meta["server"]["session"],
+            datetime.fromisoformat(meta.started_at),
+            datetime.fromisoformat(meta.ended_at),
+            meta.server["session"],
         )
-        out.setdefault(meta["cell"]["configuration"], []).append(span)
+        out.setdefault(meta.spec.configuration, []).append(span)
     return out
 
 

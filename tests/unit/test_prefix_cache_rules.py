@@ -9,19 +9,21 @@ repeated 868-token prompt hit 768 tokens, a 213-token one none). A draft that re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
 import pandas as pd
 import pytest
 
-from helpers import synthetic_cell, with_changes
+from helpers import synthetic_cell_of, with_changes
 from servegrid import modes
 from servegrid.analysis.summary_table import peak_tokens_asked
 from servegrid.config import Experiment
-from servegrid.engines.base import EngineFacts, PrefixCache
+from servegrid.engines.base import EngineDeath, EngineFacts, PrefixCache
 from servegrid.engines.vllm import VLLMEngine
 from servegrid.engines.vllm_log import engine_death
+from servegrid.records.cell_settings import CellSettings
 from servegrid.testing.engine import CalibrationEngine
 
 HYBRID = EngineFacts(version="0.32.0", max_model_len=4096, block_size=384, cache_mode="align")
@@ -62,11 +64,9 @@ def test_in_align_mode_a_shared_prefix_hits_from_its_third_request():
     full = 1152 / (1152 + 64)
 
     def expected(warmups: int, sessions: int, cache: PrefixCache) -> float:
-        settings = {
-            "context": 1152,
-            "concurrency": sessions,
-            "workload": {"suffix_tokens": 64, "warmup_requests": warmups},
-        }
+        settings = CellSettings(
+            {"context": 1152, "concurrency": sessions, "workload": {"suffix_tokens": 64, "warmup_requests": warmups}}
+        )
         return single.expected_hit_rate(True, settings, measured, cache)
 
     align = PrefixCache(384, sightings=2)
@@ -82,16 +82,89 @@ def test_an_engine_dead_of_its_own_error_is_told_from_one_killed():
     """vLLM 0.32's CPU build serving the hybrid with MTP and prefix caching: healthy, then dead at its first
     request in the align-mode pre-copy kernel (a Triton kernel with no CPU implementation)."""
     death = (DATA / "vllm_0_32_engine_death.log").read_text(encoding="utf-8")
-    assert engine_death(death) == (
+    assert engine_death(death) == EngineDeath(
         "TypeError: 'function' object is not subscriptable "
-        "(vllm/v1/worker/mamba_utils.py, line 1226, in run_fused_precopy)"
+        "(vllm/v1/worker/mamba_utils.py, line 1226, in run_fused_precopy)",
+        transient=False,
+    )
+    # The tests' in-process engine (no worker): the engine core's fatal-error line first, its own traceback after.
+    in_process = (DATA / "vllm_0_32_engine_death_in_process.log").read_text(encoding="utf-8")
+    assert engine_death(in_process) == EngineDeath(
+        "TypeError: 'function' object is not subscriptable "
+        "(vllm/v1/worker/mamba_utils.py, line 1226, in run_fused_precopy)",
+        transient=False,
     )
     alive = death.split("ERROR", 1)[0]  # up to the start-up's end: no death
     assert engine_death(alive) is None
-    assert engine_death("Killed\n") is None  # SIGKILL, the OOM killer: no word from the engine
-    assert engine_death("EngineDeadError: EngineCore encountered an issue.") == (
-        "the engine core died (no traceback in the log)"
+    assert engine_death("Killed\n") is None  # the whole server killed: no word from the engine
+    # Only the API server's word that its engine is gone: an engine core killed from outside, not a refusal.
+    assert engine_death("EngineDeadError: EngineCore encountered an issue.") == EngineDeath(
+        "the engine core died without a root cause in the log (killed from outside?)", transient=True
     )
+
+
+API = "(APIServer pid=7395) ERROR 12-05 05:21:22 [async_llm.py:906] "
+WORKER = "(Worker pid=7472) ERROR 12-05 05:21:22 [multiproc_executor.py:1063] "
+
+
+def traceback(prefix: str, cause: str, path: str = "/venv/vllm/v1/worker/gpu_model_runner.py") -> str:
+    return (
+        f"{prefix}Traceback (most recent call last):\n"
+        f'{prefix}  File "{path}", line 7, in execute_model\n'
+        f"{prefix}    run()\n"
+        f"{prefix}{cause}\n"
+    )
+
+
+FATAL = "(EngineCore pid=7461) ERROR 12-05 05:21:22 [core.py:1512] EngineCore encountered a fatal error.\n"
+
+
+@pytest.mark.parametrize(
+    ("log", "cause", "transient"),
+    [
+        # Issue 42: a CUDA out-of-memory at the first request was taken for the configuration's refusal.
+        (
+            traceback(WORKER, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.") + FATAL,
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+            "(vllm/v1/worker/gpu_model_runner.py, line 7, in execute_model)",
+            True,
+        ),
+        (traceback(WORKER, "RuntimeError: NCCL error: unhandled system error") + FATAL, None, True),
+        (traceback(WORKER, "RuntimeError: CUDA error: uncorrectable ECC error encountered") + FATAL, None, True),
+        # An engine core the OOM killer took: the API server's EngineDeadError and the client's word on it.
+        (
+            "(APIServer pid=7395) ERROR 12-05 05:21:22 [core_client.py:818] [shutdown] MPClient: engine core exited "
+            "unexpectedly; starting cleanup\n"
+            + traceback(API, "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."),
+            "the engine core died without a root cause in the log (killed from outside?)",
+            True,
+        ),
+        # A worker killed while the engine core raised an error of its own: not the configuration's either.
+        (
+            "(EngineCore pid=7461) ERROR 12-05 05:21:22 [multiproc_executor.py:316] Worker proc VllmWorker-0 died "
+            "unexpectedly (exit code: -9), shutting down executor.\n"
+            + traceback(WORKER, "RuntimeError: cancelled")
+            + FATAL,
+            None,
+            True,
+        ),
+        # The root cause is the last traceback before the death: an earlier one is something the engine lived through.
+        (
+            traceback(WORKER, "ValueError: a warning the engine logged and lived on")
+            + "(Worker pid=7472) INFO 12-05 05:21:23 [gpu_model_runner.py:1] went on\n"
+            + traceback(WORKER, "TypeError: the configuration's own error")
+            + FATAL
+            + traceback(API, "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."),
+            "TypeError: the configuration's own error (vllm/v1/worker/gpu_model_runner.py, line 7, in execute_model)",
+            False,
+        ),
+    ],
+)
+def test_a_death_of_the_moment_is_told_from_the_configurations_own(log, cause, transient):
+    death = engine_death(log)
+    assert death is not None and death.transient is transient
+    if cause is not None:
+        assert death.cause == cause
 
 
 @pytest.mark.parametrize(
@@ -124,13 +197,13 @@ def test_hits_come_in_the_servers_blocks():
 
 def test_single_turn_expects_the_prefix_in_whole_blocks():
     single = modes.get("single_turn")
-    settings = {"context": 868, "concurrency": 1, "workload": {"suffix_tokens": 32, "warmup_requests": 1}}
+    settings = CellSettings({"context": 868, "concurrency": 1, "workload": {"suffix_tokens": 32, "warmup_requests": 1}})
     measured = pd.DataFrame({"prompt_tokens_reported": [900]})
     assert single.expected_hit_rate(True, settings, measured, PrefixCache(128)) == pytest.approx(768 / 900)
     assert single.expected_hit_rate(True, settings, measured, PrefixCache(384)) == pytest.approx(768 / 900)
     assert single.expected_hit_rate(True, settings, measured, PrefixCache(384, 1)) == pytest.approx(384 / 900)
     assert single.expected_hit_rate(False, settings, measured, PrefixCache(384)) == 0.0
-    short = {"context": 213, "concurrency": 1, "workload": {"suffix_tokens": 32, "warmup_requests": 1}}
+    short = CellSettings({"context": 213, "concurrency": 1, "workload": {"suffix_tokens": 32, "warmup_requests": 1}})
     assert single.expected_hit_rate(True, short, measured, PrefixCache(384)) == 0.0  # under one block: no hit
 
 
@@ -141,9 +214,10 @@ def test_multi_turn_expects_each_previous_turn_in_whole_blocks():
         {"session": [0, 0, 0], "seq": [0, 0, 0], "turn": [1, 2, 3], "prompt_tokens_reported": [500, 900, 1300]}
     )
     total = 500 + 900 + 1300
-    assert multi.expected_hit_rate(True, {}, measured, PrefixCache(128)) == pytest.approx((384 + 896) / total)
-    assert multi.expected_hit_rate(True, {}, measured, PrefixCache(384)) == pytest.approx((384 + 768) / total)
-    assert multi.expected_hit_rate(True, {}, measured, PrefixCache(384, 1)) == pytest.approx((0 + 384) / total)
+    anything = CellSettings({})  # multi-turn's rule reads the measured turns only
+    assert multi.expected_hit_rate(True, anything, measured, PrefixCache(128)) == pytest.approx((384 + 896) / total)
+    assert multi.expected_hit_rate(True, anything, measured, PrefixCache(384)) == pytest.approx((384 + 768) / total)
+    assert multi.expected_hit_rate(True, anything, measured, PrefixCache(384, 1)) == pytest.approx((0 + 384) / total)
 
 
 def test_a_cells_live_tokens_count_whole_blocks():
@@ -152,33 +226,147 @@ def test_a_cells_live_tokens_count_whole_blocks():
     assert peak_tokens_asked(measured, 4, PrefixCache(384)) == 4 * 384
 
 
-def test_a_hybrid_cell_is_judged_by_the_blocks_it_can_hit(demo_raw, tmp_path, monkeypatch):
-    """A hybrid server with MTP hit what its blocks allow (one 384-token block of an 868-token prefix): valid.
-    Counted in a dense model's blocks, the same cell would have expected 768 tokens and been marked invalid."""
-    from servegrid.analysis import aggregation
-    from servegrid.paths import RunTables
-
+@pytest.fixture
+def single_turn_at_868(demo_raw, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The demo's prefix_cache configuration with one single-turn cell (an 868-token prefix, one session), the test
+    run in ``tmp_path``."""
     monkeypatch.chdir(tmp_path)
     raw = with_changes(demo_raw)
     raw["configurations"] = {"prefix_cache": raw["configurations"]["prefix_cache"]}
     raw["workloads"] = {"single_turn": {**raw["workloads"]["single_turn"], "contexts": [868], "concurrency": [1]}}
     experiment = Experiment(raw)
     (cell,) = experiment.cells()
+    return experiment, cell
+
+
+def test_a_hybrid_cell_is_judged_by_the_blocks_it_can_hit(single_turn_at_868, tmp_path):
+    """A hybrid server with MTP hit what its blocks allow (one 384-token block of an 868-token prefix): valid.
+    Counted in a dense model's blocks, the same cell would have expected 768 tokens and been marked invalid."""
+    from servegrid.analysis import aggregation
+    from servegrid.paths import RunTables
+
+    experiment, cell = single_turn_at_868
     measured_rate = 384 / (868 + 64)  # synthetic_cell's suffix: 64 tokens
     hybrid = {"block_size": 384, "cache_mode": "align", "hit_blocks_dropped": 1}
-    synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
-                   ttft_s=0.05, interval_s=0.005, requests=30, hit_rate=measured_rate, server=hybrid)  # fmt: skip
+    synthetic_cell_of(tmp_path, cell, ttft_s=0.05, interval_s=0.005, requests=30, hit_rate=measured_rate, server=hybrid)
     summary = aggregation.aggregate(experiment, [cell.path], RunTables.under(tmp_path / "hybrid")).set_index("cell_id")
     row = summary.loc[cell.id]
     assert row["block_size"] == 384 and row["cache_mode"] == "align"
     assert row["expected_hit_rate"] == pytest.approx(measured_rate)
     assert not row["cache_contradiction"] and row["valid"]
     # The same measurement judged with every matched block reused (the rule before the server said otherwise):
-    synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, cell.concurrency,
-                   ttft_s=0.05, interval_s=0.005, requests=30, hit_rate=measured_rate,
-                   server={**hybrid, "hit_blocks_dropped": 0})  # fmt: skip
+    synthetic_cell_of(
+        tmp_path,
+        cell,
+        ttft_s=0.05,
+        interval_s=0.005,
+        requests=30,
+        hit_rate=measured_rate,
+        server={**hybrid, "hit_blocks_dropped": 0},
+    )
     dense_rule = aggregation.aggregate(experiment, [cell.path], RunTables.under(tmp_path / "dense")).set_index(
         "cell_id"
     )
     assert dense_rule.loc[cell.id, "expected_hit_rate"] == pytest.approx(768 / 932)
     assert dense_rule.loc[cell.id, "cache_contradiction"] and not dense_rule.loc[cell.id, "valid"]
+
+
+# The engine core's start-up lines where the KV cache has several groups, as vLLM 0.32 logs them (logger.info_once
+# in v1/core/kv_cache_utils.py resolve_kv_cache_block_sizes); the tiny hybrid of test_hybrid_on_vllm logged
+# "kv cache group sizes (256, 256, 256)" and "kv lcm block sizes 256" in the clean-clone run of 2026-12-07.
+GROUP_LINES = (
+    "(EngineCore pid=4242) INFO 12-07 05:01:02 [kv_cache_utils.py:853] kv cache group sizes {sizes}\n"
+    "(EngineCore pid=4242) INFO 12-07 05:01:02 [kv_cache_utils.py:854] kv lcm block sizes {lcm}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "lcm", "block", "match_unit", "judged"),
+    [
+        (None, None, 128, None, True),  # one group: vLLM logs nothing, hits land on its block
+        ((384, 384), 384, 384, None, True),  # the tiny hybrid in align mode: every group at the front end's block
+        ((16, 32), 32, 16, None, False),  # hits on 32 (the LCM) or 16 (partial hits): the engine does not say
+        ((384, 384), 384, 384, 32, False),  # a finer --prefix-match-unit: hits at 32 where partial hits are on
+    ],
+)
+def test_hits_are_judged_only_where_the_engine_leaves_their_granularity_certain(sizes, lcm, block, match_unit, judged):
+    log = "CPU KV cache size: 9,216 tokens\n" + (GROUP_LINES.format(sizes=sizes, lcm=lcm) if sizes else "")
+    startup = VLLMEngine().startup_facts(log)
+    assert startup.kv_group_block_sizes == sizes and startup.kv_cache_tokens == 9216
+    facts = EngineFacts(block_size=block, prefix_match_unit=match_unit)
+    assert VLLMEngine().prefix_cache(facts, None, startup).judged is judged
+
+
+def test_a_cell_whose_hits_may_land_elsewhere_is_reported_not_judged(single_turn_at_868, tmp_path):
+    """A server whose KV-cache groups have different block sizes: a hit rate far below what its front end's block
+    would give is reported, with no expected rate and no contradiction."""
+    from servegrid.analysis import aggregation
+    from servegrid.paths import RunTables
+
+    experiment, cell = single_turn_at_868
+    summaries = {}
+    for judged in (True, False):
+        server = {"block_size": 16, "kv_group_block_sizes": [16, 48], "hits_judged": judged}
+        synthetic_cell_of(tmp_path, cell, ttft_s=0.05, interval_s=0.005, requests=30, hit_rate=0.1, server=server)
+        tables = RunTables.under(tmp_path / str(judged))
+        summaries[judged] = aggregation.aggregate(experiment, [cell.path], tables).set_index("cell_id").loc[cell.id]
+    assert summaries[True]["cache_contradiction"] and not summaries[True]["valid"]  # the block's rule: 864 of 932
+    unjudged = summaries[False]
+    assert pd.isna(unjudged["expected_hit_rate"]) and unjudged["server_prefix_cache_hit_rate"] == pytest.approx(0.1)
+    assert not unjudged["cache_contradiction"] and unjudged["valid"], unjudged["invalid_reasons"]
+    servers = pd.read_parquet(RunTables.under(tmp_path / "False").servers)
+    assert servers["kv_group_block_sizes"].iloc[0].tolist() == [16, 48] and not servers["hits_judged"].iloc[0]
+
+
+@pytest.mark.parametrize(("refusals", "state", "asked"), [(0, "reset", 1), (2, "reset", 3), (99, "fresh content", 7)])
+def test_a_reset_refused_while_blocks_are_held_is_tried_again(refusals, state, asked, monkeypatch, caplog):
+    """Issue 42: vLLM 0.32 answers {"success": false} while blocks are still held and says callers may retry; a
+    refused reset was taken for none, and the repeat silently went on with fresh prompt content."""
+    from servegrid.measuring import measured_phase
+
+    monkeypatch.setattr(measured_phase, "RESET_RETRY_PAUSES_S", (0.0,) * 6)
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(200, json={"success": len(calls) > refusals})
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client, caplog.at_level("INFO"):
+        assert measured_phase._reset_prefix_cache(VLLMEngine(), client, "http://server") == state
+    assert calls == ["/reset_prefix_cache"] * asked
+    assert caplog.text.count("blocks still held") == min(refusals, 6)
+    assert ("prefix cache not reset" in caplog.text) is (state == "fresh content")
+
+
+def test_a_server_without_the_dev_routes_is_not_asked_again():
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(404))) as client:
+        assert VLLMEngine().reset_prefix_cache(client, "http://server") == "unavailable"
+
+
+def test_the_warm_up_crosses_more_than_two_of_the_servers_blocks_and_hits_them(monkeypatch):
+    """Issue 42: an 8-token warm-up crossed no cache block, so the code a cell runs first (a hybrid's align-mode copy,
+    the cache-hit path, MTP with caching) first ran in a measured cell. The server here is vLLM 0.32's exposition of
+    the hybrid (block 384), its hit counter moved by what is sent."""
+    exposition = (DATA / "metrics_vllm_0_32_hybrid_align.txt").read_text(encoding="utf-8")
+    prompts: list[list[int]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "hy", "max_model_len": 4096}]})
+        if path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [11, 12, 13]})
+        if path == "/v1/completions":
+            prompts.append(json.loads(request.content)["prompt"])
+            return httpx.Response(200, text="data: [DONE]\n\n")
+        hits = 768.0 if len(prompts) == 2 else 0.0  # the second send hit two whole blocks
+        counter = 'vllm:prefix_cache_hits_total{engine="0",model_name="hy"}'
+        return httpx.Response(200, text=exposition.replace(f"{counter} 0.0", f"{counter} {hits}"))
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        facts = VLLMEngine().warm_up_cache(client, "http://server", "hy")
+    assert facts == {"prompt_tokens": 960, "block_tokens": 384, "hit_tokens": 768}
+    assert len(prompts) == 2 and prompts[0] == prompts[1] and len(prompts[0]) == 960 > 2 * 384
+    assert prompts[0][:4] == [11, 12, 13, 11]

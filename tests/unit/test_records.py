@@ -6,7 +6,7 @@ import pytest
 
 from helpers import synthetic_cell
 from servegrid.errors import CellFileError
-from servegrid.records import cell_file
+from servegrid.records import cell_file, cell_format
 
 
 def test_a_flipped_byte_anywhere_in_the_data_is_an_error_naming_the_file(tmp_path):
@@ -39,11 +39,12 @@ def test_a_footer_changed_after_writing_is_an_error_naming_the_file(tmp_path):
 
     path = tmp_path / "cell.parquet"
     synthetic_cell(path, "a", "decode", 512, 2, ttft_s=0.1, interval_s=0.01, requests=20, output_tokens=8)
-    table, meta = cell_file.read_cell(path)
-    raw = table.schema.metadata[cell_file.METADATA_KEY]
-    changed = raw.replace(json.dumps(meta["duration_s"]).encode(), json.dumps(meta["duration_s"] * 2).encode(), 1)
+    _, meta = cell_file.read_cell(path)
+    table = pq.read_table(path)
+    raw = table.schema.metadata[cell_format.FOOTER_KEY]
+    changed = raw.replace(json.dumps(meta.duration_s).encode(), json.dumps(meta.duration_s * 2).encode(), 1)
     assert changed != raw and json.loads(changed)  # still valid JSON, another duration
-    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, cell_file.METADATA_KEY: changed}), path)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, cell_format.FOOTER_KEY: changed}), path)
     with pytest.raises(CellFileError, match=r"cell\.parquet: its footer .* does not match its checksum"):
         cell_file.read_cell(path)
 

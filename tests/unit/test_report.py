@@ -19,6 +19,7 @@ from servegrid.errors import ConfigError, ReportError
 from servegrid.languages import LOCALES
 from servegrid.paths import RunTables
 from servegrid.reporting import catalogues, document, figure_files, figures, rate_figures, run_figures, trace_figures
+from servegrid.reporting.contents import verdict as verdict_contents
 from servegrid.reporting.document import TEMPLATES
 
 
@@ -43,8 +44,10 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
     pt, hu = out["pt"][0], out["hu"][0]
     for html in (pt, hu):
         # What was found comes first: the conclusion, the verdict, the production table; the set-up after.
-        order = [html.index(f'<section id="{name}"') for name in ("conclusion", "verdict", "production", "setup",
-                                                                  "decode", "across-the-grid", "details")]  # fmt: skip
+        order = [
+            html.index(f'<section id="{name}"')
+            for name in ("conclusion", "verdict", "production", "setup", "decode", "across-the-grid", "details")
+        ]
         assert order == sorted(order)
         verdict = html.split('id="verdict"')[1].split("</section>")[0]
         classes = verdict.split("<table")[1]
@@ -54,8 +57,10 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
         assert groups.count("<tr>") == 1 + 6  # header + 3 modes x 2 concurrencies
     assert "Decode pesado, gerações longas, prompts frios" in pt
     assert re.search(r"especulação ngram \(3 tokens\), sem prefix caching \(2,5× decode", pt)
-    # No lead changes in this grid: one line per mode and pair says who leads throughout.
-    assert pt.count("fica à frente de") == 3 and hu.count("ahol bármelyikük egyértelműen jobb") == 3
+    # No lead changes in this grid: each mode's pair is a row of the table of steady leads, none a sentence.
+    for html in (pt, hu):
+        lead = html.split('id="verdict"')[1].split("</section>")[0]
+        assert len(steady_rows(lead)) == 3 and changes(lead) == []
     assert "Konverzációs, multi-turn munkaterhelésnél" in hu  # the conclusion, generated from the verdict
     # The production table: decode within TPOT p90 ≤ 4 ms.
     production_pt = pt.split('id="production"')[1].split("</section>")[0]
@@ -70,9 +75,94 @@ def test_verdict_names_each_workload_class_and_every_group(rendered):
     hundred_hu = format_percent(1, locale="hu")
     assert production_hu.split('class="grid attainment"')[1].count(f">{hundred_hu}<") == 2
     # ngram meets TPOT p90 ≤ 4 ms at both concurrencies of the one decode context: the conclusion says so.
-    assert re.search(r"“especulação ngram \(3 tokens\), sem prefix caching” sustenta o maior número de sessões "
-                     r"concorrentes em 1 de 1 contextos", pt)  # fmt: skip
+    assert re.search(
+        r"“especulação ngram \(3 tokens\), sem prefix caching” sustenta o maior número de sessões "
+        r"concorrentes em 1 de 1 contextos",
+        pt,
+    )
     assert re.search(r"akár \d+,\d× TTFT|\d+,\d–\d+,\d× TTFT|\d+,\d× TTFT", hu)
+
+
+def steady_rows(verdict: str) -> list[str]:
+    """The rows of the verdict's table of pairs whose lead never changes (none without the table)."""
+    if 'class="grid steady-lead"' not in verdict:
+        return []
+    body = verdict.split('class="grid steady-lead"')[1].split("</table>")[0].split("<tbody>")[1]
+    return re.findall(r"<tr>(.*?)</tr>", body, re.S)
+
+
+def changes(verdict: str) -> list[str]:
+    """The verdict's sentences on a pair whose lead changes."""
+    return re.findall(r'<li class="crossover">(.*?)</li>', verdict, re.S)
+
+
+# Per language: the label of the configuration ahead throughout, the mode titles as the table names them, and the
+# words of a sentence on a lead that changes and of the old sentence on one that does not.
+LEAD_WORDS = {
+    "pt": {
+        "prefix_cache": "prefix caching, sem especulação",
+        "decode": "Decode, prompts frios",
+        "single_turn": "Single-turn, prefixo compartilhado",
+        "multi_turn": "Multi-turn, TTFT do turno 2",
+        "overtakes": "passa à frente de",
+        "steady": "fica à frente de",
+    },
+    "hu": {
+        "prefix_cache": "prefix caching, spekuláció nélkül",
+        "decode": "Decode, hideg promptok",
+        "single_turn": "Single-turn, közös prefix",
+        "multi_turn": "Multi-turn, 2. fordulós TTFT",
+        "overtakes": "előzi meg",
+        "steady": "ahol bármelyikük egyértelműen jobb",
+    },
+}
+
+
+@pytest.mark.parametrize("lang", ["pt", "hu"])
+def test_a_steady_lead_is_a_table_row_and_a_change_is_a_sentence(demo_grid, tmp_path, lang):  # noqa: F811
+    """The demo grid with ngram decoding slower than prefix caching at 4 sessions: in decode the lead changes
+    (prefix caching overtakes ngram there), a sentence; in single- and multi-turn prefix caching leads throughout,
+    one row each of the table of steady leads, and no sentence says so."""
+    from helpers import synthetic_cell
+    from servegrid.reporting.contents import ReportContents
+
+    experiment, cells = demo_grid
+    for cell in experiment.cells():
+        if (cell.configuration, cell.mode, cell.sessions) == ("ngram", "decode", 4):
+            synthetic_cell(
+                tmp_path / cell.path,
+                "ngram",
+                "decode",
+                cell.context,
+                4,
+                requests=30,
+                ttft_s=0.1,
+                interval_s=0.02,
+                tokens_per_chunk=4,
+            )
+    tables = run_aggregate(experiment, cells, tmp_path)
+    found = dict(zip(tables["crossovers"]["mode"], tables["crossovers"]["found"], strict=True))
+    assert found == {"decode": True, "single_turn": False, "multi_turn": False}
+    data = ReportContents(
+        experiment,
+        tables["summary"],
+        tables["comparisons"],
+        tables["servers"],
+        verdict=tables["verdict"],
+        crossovers=tables["crossovers"],
+        production=tables["production"],
+    )
+    html = document.render_html(
+        experiment, lang, data, tmp_path / "no-figures", "screen", document.provenance(experiment)
+    )
+    verdict = html.split('id="verdict"')[1].split("</section>")[0]
+    words = LEAD_WORDS[lang]
+    (sentence,) = changes(verdict)
+    assert words["decode"] in sentence and words["overtakes"] in sentence
+    rows = steady_rows(verdict)
+    assert [words["single_turn"] in rows[0], words["multi_turn"] in rows[1]] == [True, True] and len(rows) == 2
+    assert all(words["prefix_cache"] in row for row in rows)
+    assert words["steady"] not in verdict
 
 
 def test_html_is_self_contained_with_every_figure(rendered):
@@ -100,7 +190,9 @@ def test_catalogues_translate_every_template_message():
         )
     }
     # Words in Python: the figures' own, and every mode's and run figure's (marked N_), as report/babel.cfg says.
-    sources = [Path(m.__file__) for m in (figures, run_figures, rate_figures, trace_figures, figure_files)]
+    sources = [
+        Path(m.__file__) for m in (figures, run_figures, rate_figures, trace_figures, figure_files, verdict_contents)
+    ]
     sources += sorted(Path(modes.__file__).parent.glob("*.py"))
     for path in sources:
         with path.open("rb") as source:
@@ -132,10 +224,19 @@ def with_a_kv_limited_corner(experiment, cells, tmp_path):  # type: ignore[no-un
     from helpers import synthetic_cell
 
     for cell in experiment.cells():
-        if cell.mode == "multi_turn" and cell.concurrency == 4:
-            synthetic_cell(tmp_path / cell.path, cell.configuration, "multi_turn", cell.context, 4, ttft_s=0.2,
-                           interval_s=0.005, turns=3, hit_rate=0.7 if cell.configuration == "prefix_cache" else 0.0,
-                           preemptions=3)  # fmt: skip
+        if cell.mode == "multi_turn" and cell.sessions == 4:
+            synthetic_cell(
+                tmp_path / cell.path,
+                cell.configuration,
+                "multi_turn",
+                cell.context,
+                4,
+                ttft_s=0.2,
+                interval_s=0.005,
+                turns=3,
+                hit_rate=0.7 if cell.configuration == "prefix_cache" else 0.0,
+                preemptions=3,
+            )
     return run_aggregate(experiment, cells, tmp_path)
 
 
@@ -149,9 +250,15 @@ def test_a_corner_past_the_kv_pool_is_neither_with_its_pool_and_live_tokens(demo
     tables = with_a_kv_limited_corner(experiment, cells, tmp_path)
     (kv_row,) = tables["verdict"][tables["verdict"]["outcome"] == "kv_limit"].to_dict("records")
     assert (kv_row["min_context"], kv_row["min_concurrency"]) == (1024, 4)
-    data = ReportContents(experiment, tables["summary"], tables["comparisons"], tables["servers"],
-                      verdict=tables["verdict"], crossovers=tables["crossovers"],
-                      production=tables["production"])  # fmt: skip
+    data = ReportContents(
+        experiment,
+        tables["summary"],
+        tables["comparisons"],
+        tables["servers"],
+        verdict=tables["verdict"],
+        crossovers=tables["crossovers"],
+        production=tables["production"],
+    )
     html = document.render_html(
         experiment, "pt", data, tmp_path / "no-figures", "screen", document.provenance(experiment)
     )
@@ -177,11 +284,18 @@ def test_a_large_grids_pdf_lists_only_the_cells_that_need_a_look(demo_grid, tmp_
     monkeypatch.setattr(details, "PRINT_EVERY_CELL_UP_TO", len(summary) - 1)
 
     def details(medium: str) -> str:
-        data = ReportContents(experiment, summary, tables["comparisons"], tables["servers"],
-                                      verdict=tables["verdict"], crossovers=tables["crossovers"],
-                                      production=tables["production"])  # fmt: skip
-        html = document.render_html(experiment, "pt", data, tmp_path / "no-figures", medium,
-                                  document.provenance(experiment))  # fmt: skip
+        data = ReportContents(
+            experiment,
+            summary,
+            tables["comparisons"],
+            tables["servers"],
+            verdict=tables["verdict"],
+            crossovers=tables["crossovers"],
+            production=tables["production"],
+        )
+        html = document.render_html(
+            experiment, "pt", data, tmp_path / "no-figures", medium, document.provenance(experiment)
+        )
         return html.split('id="details"')[1].split("</section>")[0]
 
     def listed(section: str) -> set[str]:
@@ -213,8 +327,10 @@ def test_a_figure_of_one_panel_per_context_shows_at_most_six_and_says_which(demo
         experiment, summary, pd.DataFrame(), pd.DataFrame(), formatter=catalogues.Formatter(portuguese)
     )
     by_concurrency, pareto = modes.get("decode").figures
-    assert data.panels_shown("decode", by_concurrency) == {"shown": "256, 768, 1.536, 2.048, 2.816, 3.328",
-                                                          "total": "13"}  # fmt: skip
+    assert data.panels_shown("decode", by_concurrency) == {
+        "shown": "256, 768, 1.536, 2.048, 2.816, 3.328",
+        "total": "13",
+    }
     assert data.panels_shown("decode", pareto) is not None
     assert data.panels_shown("single_turn", by_concurrency) is None  # no cells of that mode: nothing left out
 

@@ -56,12 +56,25 @@ def test_html_in_headless_chromium(rendered, tmp_path, lang):
     page.write_text(html.replace("</body>", PROBE + "</body>"), encoding="utf-8")
     dom = subprocess.run(
         [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'chrome'}",
-            "--window-size=1280,900", "--virtual-time-budget=10000", "--dump-dom", page.as_uri(),
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'chrome'}",
+            "--window-size=1280,900",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            page.as_uri(),
         ],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     probe = json.loads(re.search(r'<pre id="servegrid-probe">(.*?)</pre>', dom, re.S)[1].replace("&quot;", '"'))
     assert len(probe["images"]) == 9
     assert all(image["ok"] for image in probe["images"]), probe["images"]
@@ -72,8 +85,9 @@ def test_html_in_headless_chromium(rendered, tmp_path, lang):
 @pytest.mark.parametrize("lang", ["pt", "hu"])
 def test_pdf_through_poppler(rendered, tmp_path, lang):
     pdf = Path(rendered[1][lang][1])
-    fonts = subprocess.run([need(shutil.which("pdffonts"), "pdffonts"), str(pdf)], capture_output=True, text=True,
-                           check=True).stdout.splitlines()[2:]  # fmt: skip
+    fonts = subprocess.run(
+        [need(shutil.which("pdffonts"), "pdffonts"), str(pdf)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()[2:]
     assert fonts and all(line.split()[-5] == "yes" for line in fonts), fonts  # every font embedded
     assert any("Report-Sans" in line for line in fonts)  # the DejaVu Sans shipped with matplotlib
     text = subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True, check=True).stdout
@@ -135,3 +149,15 @@ def test_the_report_font_has_every_letter_both_languages_need():
         font = TTFont(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / name)
         cmap = font.getBestCmap()
         assert all(ord(ch) in cmap for ch in "őŐűŰãÃçÇõáéíóúâêôàüö–×’“”„"), name
+
+
+def test_the_production_section_prices_a_million_tokens_in_both_languages(rendered):
+    """Issue 43: the demo's cost: section (an hour of the host) prices each configuration's tokens at the load it
+    sustains within the objectives, in each language's own currency format."""
+    _, out = rendered
+    pt, hu = out["pt"][0], out["hu"][0]
+    assert re.search(r"US\$\s0,\d+ por milhão de tokens", pt), "no price in the Portuguese report"
+    assert re.search(r"0,\d+\sUSD millió tokenenként", hu), "no price in the Hungarian report"
+    assert re.search(r"US\$\s0,08 por hora de dispositivo", pt) and re.search(r"eszközóránként 0,08\sUSD", hu)
+    # And what the run took, in device hours and their price.
+    assert "O que a execução custou" in pt and "Mibe került a futtatás" in hu

@@ -19,11 +19,23 @@ from servegrid.errors import ConfigError
 
 def test_secret_looking_names_and_flags_are_masked():
     assert redact.env({"HF_TOKEN": "t", "OPENAI_API_KEY": "k", "db_password": "p", "MY_SECRET_X": "s", "A": "1"}) == {
-        "HF_TOKEN": "***", "OPENAI_API_KEY": "***", "db_password": "***", "MY_SECRET_X": "***", "A": "1",
-    }  # fmt: skip
+        "HF_TOKEN": "***",
+        "OPENAI_API_KEY": "***",
+        "db_password": "***",
+        "MY_SECRET_X": "***",
+        "A": "1",
+    }
     assert redact.argv(["--api-key", "k", "--api_key=k", "--token", "t", "--port", "1", "--max-model-len", "8"]) == [
-        "--api-key", "***", "--api_key=***", "--token", "***", "--port", "1", "--max-model-len", "8",
-    ]  # fmt: skip
+        "--api-key",
+        "***",
+        "--api_key=***",
+        "--token",
+        "***",
+        "--port",
+        "1",
+        "--max-model-len",
+        "8",
+    ]
 
 
 def test_an_api_key_flag_in_the_config_is_refused(demo_raw):
@@ -91,8 +103,12 @@ def test_a_planted_key_and_secrets_appear_nowhere_after_a_whole_run(tmp_path):
     workdir = canary_workdir(tmp_path)
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "1", "report", "--configfile", "canary.yaml"],
-        cwd=workdir, env={**os.environ, **CANARIES}, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=workdir,
+        env={**os.environ, **CANARIES},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (workdir / "results" / "report" / "servegrid-pt.pdf").stat().st_size > 10_000
     assert not [c for c in CANARIES.values() if c in result.stdout + result.stderr]
@@ -115,9 +131,12 @@ def test_nothing_secret_is_on_disk_after_a_killed_run(tmp_path):
     with open(workdir / "snakemake.out", "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "snakemake", "--cores", "1", "aggregate", "--configfile", "canary.yaml"],
-            cwd=workdir, env={**os.environ, **CANARIES}, stdout=out, stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env={**os.environ, **CANARIES},
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     try:
         record_path = state.host_directory(workdir / paths.STATE_DIR) / "only.json"
         assert wait_for(lambda: (state.read(record_path) or {}).get("status") == "running", 120), "no server started"
@@ -136,9 +155,12 @@ def test_nothing_secret_is_on_disk_after_a_killed_run(tmp_path):
 
 @pytest.mark.parametrize(
     ("where", "args"),
-    [("engine.args", ["--hf-token", "hf_abc"]), ("configurations.ngram.args", ["--hf_token=hf_abc"]),
-     ("engine.args", ["--token=t"])],
-)  # fmt: skip
+    [
+        ("engine.args", ["--hf-token", "hf_abc"]),
+        ("configurations.ngram.args", ["--hf_token=hf_abc"]),
+        ("engine.args", ["--token=t"]),
+    ],
+)
 def test_a_token_flag_is_refused_in_the_launch_arguments(demo_raw, where, args):
     """Masked in servegrid's records, a token in the argv would still be in `ps`, in launch.json and in vLLM's own
     "non-default args" log line, whose tail a failed start pastes into the cell's log: refused before anything runs."""

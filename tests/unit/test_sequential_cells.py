@@ -52,10 +52,10 @@ SPREAD = {**DECODE, "output_tokens": 5}
 def test_tight_latencies_stop_at_the_first_stage_as_precise(sandbox, tmp_path):
     """5 ms between tokens, no jitter: decode speed varies by well under 5%, so 8 samples are enough."""
     row, meta = measure(sequential("decode", DECODE), sandbox, tmp_path)
-    assert row["sampling_reason"] == "precise" and bool(row["precise"]), meta["sampling"]
+    assert row["sampling_reason"] == "precise" and bool(row["precise"]), meta.sampling
     assert row["primary_n"] == row["n_requests"] == 8  # the first stage: 8 samples, 4 rounds of 2 sessions
     assert row["primary_rel_ci"] <= 0.05 and row["sampling_target_rel_ci"] == 0.05
-    stages = meta["sampling"]["stages"]
+    stages = meta.sampling["stages"]
     assert [(s["rounds"], s["n_before"], s["n_after"]) for s in stages] == [(4, 0, 8)]
     assert bool(row["valid"]), row["invalid_reasons"]
 
@@ -69,15 +69,15 @@ def test_spread_latencies_run_stage_by_stage_to_the_ceiling_and_are_marked_impre
     target by chance (a clean-clone CI run on 2026-12-01 drew 3.7%), so only the judged width is asserted."""
     experiment = sequential("decode", SPREAD, server_args=("--jitter", "0.0049"))
     row, meta = measure(experiment, sandbox, tmp_path)
-    assert row["sampling_reason"] == "max_samples" and not bool(row["precise"]), meta["sampling"]
+    assert row["sampling_reason"] == "max_samples" and not bool(row["precise"]), meta.sampling
     assert row["primary_n"] == row["n_requests"] == 24
-    judged = meta["sampling"]["stop_rel_half_width"]
+    judged = meta.sampling["stop_rel_half_width"]
     assert judged > 0.05 and row["primary_rel_ci"] <= judged
-    stages = meta["sampling"]["stages"]
+    stages = meta.sampling["stages"]
     assert [s["n_after"] for s in stages] == [8, 12, 18, 24]  # judged at each stage target only
     assert [s["rounds"] for s in stages] == [4, 2, 3, 3]
     assert all(a["end_s"] <= b["start_s"] for a, b in itertools.pairwise(stages))
-    assert meta["duration_s"] == pytest.approx(sum(s["end_s"] - s["start_s"] for s in stages))
+    assert meta.duration_s == pytest.approx(sum(s["end_s"] - s["start_s"] for s in stages))
     assert bool(row["valid"]), row["invalid_reasons"]
     # Honest tails: 24 samples give a median, not a p90 (30) or a p99 (300).
     assert row["decode_tps_p50"] > 0 and pd.isna(row["decode_tps_p90"]) and pd.isna(row["decode_tps_p99"])
@@ -87,9 +87,9 @@ def test_multi_turn_counts_conversations_not_requests(sandbox, tmp_path):
     workload = {"contexts": [128], "concurrency": [2], "turns": 3, "tokens_per_turn": 64, "output_tokens": 8}
     rule = {**RULE, "target_rel_ci": 1e-6, "max_samples": 12}  # never precise: two stages, 8 then 12
     row, meta = measure(sequential("multi_turn", workload, rule), sandbox, tmp_path)
-    assert row["sampling_reason"] == "max_samples", meta["sampling"]
+    assert row["sampling_reason"] == "max_samples", meta.sampling
     assert row["primary_n"] == 12 and row["n_requests"] == 3 * 12  # one turn-2 sample per conversation
-    assert [s["n_after"] for s in meta["sampling"]["stages"]] == [8, 12]
+    assert [s["n_after"] for s in meta.sampling["stages"]] == [8, 12]
 
 
 def test_a_shared_prefix_stays_cached_from_stage_to_stage(sandbox, tmp_path):
@@ -97,7 +97,7 @@ def test_a_shared_prefix_stays_cached_from_stage_to_stage(sandbox, tmp_path):
     workload = {"contexts": [256], "concurrency": [2], "suffix_tokens": 16, "output_tokens": 4}
     rule = {**RULE, "target_rel_ci": 1e-6, "max_samples": 16}
     row, meta = measure(sequential("single_turn", workload, rule), sandbox, tmp_path)
-    assert [s["n_after"] for s in meta["sampling"]["stages"]] == [8, 12, 16]
+    assert [s["n_after"] for s in meta.sampling["stages"]] == [8, 12, 16]
     assert row["server_prefix_cache_hit_rate"] >= row["expected_hit_rate"] > 0.9
     assert not bool(row["cache_contradiction"]) and bool(row["valid"]), row["invalid_reasons"]
 
@@ -106,7 +106,7 @@ def test_the_time_limit_stops_a_cell_below_its_floor(sandbox, tmp_path):
     """~1 s a request (20 tokens, 50 ms apart): 1.5 s lets each session start two, fewer than the floor of 8."""
     experiment = sequential("decode", DECODE, {**RULE, "max_duration_s": 1.5}, ("--interval", "0.05"))
     row, meta = measure(experiment, sandbox, tmp_path)
-    assert row["sampling_reason"] == "max_duration" and not bool(row["precise"]), meta["sampling"]
+    assert row["sampling_reason"] == "max_duration" and not bool(row["precise"]), meta.sampling
     assert 2 <= row["primary_n"] <= 4
     requests = pd.read_parquet(experiment.cells()[0].path)
     assert requests.loc[requests["phase"] == "measured", "sent_s"].max() < 1.5
@@ -142,7 +142,7 @@ def test_a_mode_may_sample_by_its_own_rule_and_a_fixed_count_stays_possible():
 
 def test_a_stage_plans_counts_only_its_running_time_and_stops_when_a_stage_adds_nothing():
     from servegrid import modes
-    from servegrid.modes.stages import StagePlan
+    from servegrid.load.stages import StagePlan
     from servegrid.stats.sampling import SamplingRule
 
     rule = SamplingRule(target_rel_ci=0.05, min_samples=8, max_samples=24, max_duration_s=10)
@@ -185,8 +185,9 @@ def test_progress_durations_read_as_people_write_them():
 def test_the_grid_line_counts_the_cells_and_estimates_from_the_last_ones_written(tmp_path, monkeypatch, demo_raw):
     from test_aggregate_verdict import decode_only
 
-    from servegrid.pipeline.cell_job import grid_line
+    from servegrid.pipeline.grid_progress import grid_line
     from servegrid.records import cell_file
+    from servegrid.records.cell_record import CellRecord
 
     monkeypatch.chdir(tmp_path)
     experiment = decode_only(demo_raw)
@@ -194,9 +195,9 @@ def test_the_grid_line_counts_the_cells_and_estimates_from_the_last_ones_written
     assert grid_line(experiment, first) == f"grid: 0 of 2 cells measured, starting {first.id}"
     timed = {"started_at": "2026-12-03T10:00:00.000+00:00", "ended_at": "2026-12-03T10:01:30.000+00:00"}
     # A file measured with other settings (before a config edit) is to be measured again: not counted.
-    cell_file.write_cell(first.path, [], {**timed, "settings": {"other": "settings"}})
+    cell_file.write_cell(first.path, [], CellRecord(first, {"other": "settings"}, None, {}, **timed))
     assert grid_line(experiment, second) == f"grid: 0 of 2 cells measured, starting {second.id}"
-    cell_file.write_cell(first.path, [], {**timed, "settings": experiment.cell_settings(first)})
+    cell_file.write_cell(first.path, [], CellRecord(first, experiment.cell_settings(first), None, {}, **timed))
     assert grid_line(experiment, second) == (
         f"grid: 1 of 2 cells measured, starting {second.id}; about 1 min 30 s left (1 min 30 s a cell over the last 1)"
     )

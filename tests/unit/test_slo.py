@@ -88,25 +88,38 @@ def test_no_objectives_no_columns():
 def summary(rows: list[tuple[str, int, bool, float]]) -> pd.DataFrame:
     return pd.DataFrame(
         [
-            {"mode": "decode", "context": 512, "configuration": name, "concurrency": c, "valid": True,
-             "slo_met": met, "goodput_rps": goodput}
+            {
+                "mode": "decode",
+                "context": 512,
+                "configuration": name,
+                "concurrency": c,
+                "valid": True,
+                "slo_met": met,
+                "goodput_rps": goodput,
+            }
             for name, c, met, goodput in rows
         ]
-    )  # fmt: skip
+    )
 
 
 def test_the_production_table_names_the_highest_sustained_concurrency_and_the_winner():
     table = slo.production(
         summary(
             [
-                ("a", 1, True, 1.0), ("a", 2, False, 0.5), ("a", 4, True, 3.0),  # non-monotone: sustains 1
-                ("b", 1, True, 1.0), ("b", 2, True, 1.9), ("b", 4, True, 3.5),  # sustains 4
-                ("c", 1, False, 0.0), ("c", 2, False, 0.0), ("c", 4, False, 0.0),  # nowhere
+                ("a", 1, True, 1.0),
+                ("a", 2, False, 0.5),
+                ("a", 4, True, 3.0),  # non-monotone: sustains 1
+                ("b", 1, True, 1.0),
+                ("b", 2, True, 1.9),
+                ("b", 4, True, 3.5),  # sustains 4
+                ("c", 1, False, 0.0),
+                ("c", 2, False, 0.0),
+                ("c", 4, False, 0.0),  # nowhere
             ]
         ),
         ["a", "b", "c"],
         ["decode"],
-    ).set_index("configuration")  # fmt: skip
+    ).set_index("configuration")
     assert table.loc["a", "sustained_concurrency"] == 1 and table.loc["a", "non_monotone"]
     assert table.loc["a", "met"] == "1,4" and table.loc["a", "measured"] == "1,2,4"
     assert table.loc["b", "sustained_concurrency"] == 4 and not table.loc["b", "non_monotone"]
@@ -147,8 +160,11 @@ def test_equal_sustained_concurrency_goes_to_the_higher_goodput_and_invalid_cell
 def test_objectives_must_name_an_enabled_mode_and_a_known_figure(demo_raw):
     raw = with_changes(demo_raw, **{"slo.decode": {"tpot_p90_ms": 50}})
     assert Experiment(raw).slo["decode"][0].limit_s == pytest.approx(0.05)
-    with pytest.raises(ConfigError, match=r"slo\.decode: 'tpot_p90_min' does not match any of the regexes|"
-                                          r"slo\.decode: Additional properties"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"slo\.decode: 'tpot_p90_min' does not match any of the regexes|"
+        r"slo\.decode: Additional properties",
+    ):
         Experiment(with_changes(demo_raw, **{"slo.decode": {"tpot_p90_min": 50}}))
     # A disabled mode keeps its objectives in the file, unused until it is enabled again.
     disabled = with_changes(demo_raw, **{"workloads.decode.enabled": False, "slo.decode": {"tpot_p90_ms": 50}})

@@ -38,9 +38,14 @@ def trace_experiment(source: dict, speedups: list[float], block_tokens: int = 16
     raw = calibration_experiment().raw
     raw["configurations"] = {"honest": {"label": "honest", "prefix_caching": True}}
     raw["workloads"] = {
-        "trace": {"source": source, "block_tokens": block_tokens, "speedups": speedups,
-                  "open_loop": {"ramp_s": 0}, **extra},
-    }  # fmt: skip
+        "trace": {
+            "source": source,
+            "block_tokens": block_tokens,
+            "speedups": speedups,
+            "open_loop": {"ramp_s": 0},
+            **extra,
+        },
+    }
     return Experiment(raw)
 
 
@@ -62,13 +67,14 @@ def test_a_slice_of_the_public_mooncake_trace_parses_as_the_format_says():
 def test_trace_lines_that_cannot_be_replayed_are_refused_naming_the_line(tmp_path):
     bad = tmp_path / "t.jsonl"
     cases = {
-        '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timestamp": 1, "input_length": 10}':
-            r"t.jsonl:2: no hash_ids",
+        (
+            '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timestamp": 1, "input_length": 10}'
+        ): r"t.jsonl:2: no hash_ids",
         '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\nnot json': r"t.jsonl:2: not JSON",
         '{"timestamp": -5, "input_length": 10, "hash_ids": [1]}': r"t.jsonl:1: timestamp -5",
         '{"input_length": 10, "hash_ids": [1]}': r"t.jsonl:1: no timestamp",
         '{"timestamp": 0, "text_input": "hi", "input_length": 1, "hash_ids": [1]}': r"t.jsonl:1: text_input",
-    }  # fmt: skip
+    }
     for text, message in cases.items():
         bad.write_text(text + "\n")
         with pytest.raises(ConfigError, match=message):
@@ -125,7 +131,7 @@ def test_speedups_name_trace_cells_and_the_traces_content_is_their_identity(tmp_
     experiment = trace_experiment({"file": str(path)}, [0.5, 2], block_tokens=512)
     cells = experiment.cells()
     assert [c.id for c in cells] == ["honest/trace/ctx0_x0.5", "honest/trace/ctx0_x2"]
-    assert [c.rate for c in cells] == pytest.approx([19 / 12 * 0.5, 19 / 12 * 2])
+    assert [c.load.per_s for c in cells] == pytest.approx([19 / 12 * 0.5, 19 / 12 * 2])
     assert experiment.cell("honest", "trace", 0, "x2") == cells[1]
     with pytest.raises(ConfigError, match="not in the grid"):
         experiment.cell("honest", "trace", 0, "x3")
@@ -169,11 +175,17 @@ def test_block_prompts_share_exactly_the_blocks_their_ids_share():
 
     prompts = BlockPrompts(PromptBuilder(tokenize, seed=1, corpus_tokens=2000), block_tokens=32)
     trace = trace_source.from_rows(
-        enumerate([{"timestamp": 0, "input_length": 90, "hash_ids": [5, 6, 7]},
-                   {"timestamp": 1, "input_length": 70, "hash_ids": [5, 6, 8]},
-                   {"timestamp": 2, "input_length": 20, "hash_ids": [9]}], start=1),
-        32, "t",
-    )  # fmt: skip
+        enumerate(
+            [
+                {"timestamp": 0, "input_length": 90, "hash_ids": [5, 6, 7]},
+                {"timestamp": 1, "input_length": 70, "hash_ids": [5, 6, 8]},
+                {"timestamp": 2, "input_length": 20, "hash_ids": [9]},
+            ],
+            start=1,
+        ),
+        32,
+        "t",
+    )
     a, b, c = (prompts.prompt(r) for r in trace.requests)
     assert [len(a), len(b), len(c)] == [90, 70, 20]
     assert a[:64] == b[:64] and a[64] != b[64]  # two shared blocks, then each its own
@@ -201,8 +213,18 @@ def test_a_replay_is_token_exact_on_schedule_and_hits_the_cache_as_the_trace_reu
     16-token blocks as vLLM does. Every request carries exactly its trace length and output, goes out on time
     (a session's later turn after its answer plus the delay), and the hit rate the server counts is the trace's
     own reuse counted in the server's blocks."""
-    source = {"generate": {"seed": 11, "duration_s": 8, "rate": 3, "input_median": 96, "output_median": 4,
-                           "max_input": 400, "max_output": 8, "think_mean_s": 0.3}}  # fmt: skip
+    source = {
+        "generate": {
+            "seed": 11,
+            "duration_s": 8,
+            "rate": 3,
+            "input_median": 96,
+            "output_median": 4,
+            "max_input": 400,
+            "max_output": 8,
+            "think_mean_s": 0.3,
+        }
+    }
     experiment = trace_experiment(source, [4], block_tokens=32)
     summary, requests = replay(experiment, sandbox, tmp_path)
     row = summary.iloc[0]
@@ -232,8 +254,19 @@ def test_the_report_shows_what_was_replayed_and_the_speedups_each_configuration_
     languages (HTML and PDF)."""
     from servegrid.reporting import document, figures, interchange, run_comparison
 
-    source = {"generate": {"seed": 5, "duration_s": 4, "rate": 3, "input_median": 48, "output_median": 3,
-                           "max_input": 200, "max_output": 4, "session_share": 0.2, "think_mean_s": 0.1}}  # fmt: skip
+    source = {
+        "generate": {
+            "seed": 5,
+            "duration_s": 4,
+            "rate": 3,
+            "input_median": 48,
+            "output_median": 3,
+            "max_input": 200,
+            "max_output": 4,
+            "session_share": 0.2,
+            "think_mean_s": 0.1,
+        }
+    }
     experiment = trace_experiment(source, [1, 2], block_tokens=16)
     summary, _ = replay(experiment, sandbox, tmp_path)
     assert list(summary["load"]) == ["x1", "x2"] and summary["valid"].all()

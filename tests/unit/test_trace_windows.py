@@ -22,8 +22,13 @@ HALVES = [{"start_s": 0, "duration_s": 6}, {"start_s": 6, "duration_s": 6}]
 
 
 def slice_experiment(path: Path, windows: list[dict], max_in_flight: int = 2) -> Experiment:  # type: ignore[type-arg]
-    return trace_experiment({"file": str(path)}, [1, 2], block_tokens=512, windows=windows,
-                            open_loop={"ramp_s": 0, "max_in_flight": max_in_flight})  # fmt: skip
+    return trace_experiment(
+        {"file": str(path)},
+        [1, 2],
+        block_tokens=512,
+        windows=windows,
+        open_loop={"ramp_s": 0, "max_in_flight": max_in_flight},
+    )
 
 
 def settings_by_cell(experiment: Experiment) -> dict[str, dict]:  # type: ignore[type-arg]
@@ -35,10 +40,14 @@ def test_each_window_is_a_column_of_cells_with_its_own_rate_and_drain(tmp_path):
     path.write_text(MOONCAKE_SLICE.read_text())
     experiment = slice_experiment(path, HALVES)
     cells = experiment.cells()
-    assert [c.id for c in cells] == ["honest/trace/ctx0_x1_w0+6", "honest/trace/ctx0_x2_w0+6",
-                                     "honest/trace/ctx0_x1_w6+6", "honest/trace/ctx0_x2_w6+6"]  # fmt: skip
+    assert [c.id for c in cells] == [
+        "honest/trace/ctx0_x1_w0+6",
+        "honest/trace/ctx0_x2_w0+6",
+        "honest/trace/ctx0_x1_w6+6",
+        "honest/trace/ctx0_x2_w6+6",
+    ]
     # Each window's rate over its stated length: 14 requests in the first 6 s (5,999 ms is inside), 3 in the next.
-    assert [c.rate for c in cells] == pytest.approx([14 / 6, 28 / 6, 3 / 6, 6 / 6])
+    assert [c.load.per_s for c in cells] == pytest.approx([14 / 6, 28 / 6, 3 / 6, 6 / 6])
     assert experiment.cell("honest", "trace", 0, "x2_w6+6") == cells[3]
     with pytest.raises(ConfigError, match="not in the grid"):
         experiment.cell("honest", "trace", 0, "x2")  # the whole trace is not one of its windows
@@ -96,10 +105,22 @@ def test_a_window_measures_its_own_arrivals_and_the_trace_after_it_keeps_the_loa
     """A window in the middle of a generated trace, at 2x, on a calibration server that streams a token every 100 ms
     (so the window's last requests are still running when the next arrivals are due). Exactly the window's requests
     are measured; the arrivals after it go out on their own schedule as the drain, and none is measured."""
-    source = {"generate": {"seed": 3, "duration_s": 12, "rate": 4, "input_median": 48, "output_median": 6,
-                           "max_input": 160, "max_output": 8, "session_share": 0, "burstiness": 4}}  # fmt: skip
-    experiment = trace_experiment(source, [2], windows=[{"start_s": 4, "duration_s": 4}],
-                                  open_loop={"ramp_s": 0, "max_in_flight": 8})  # fmt: skip
+    source = {
+        "generate": {
+            "seed": 3,
+            "duration_s": 12,
+            "rate": 4,
+            "input_median": 48,
+            "output_median": 6,
+            "max_input": 160,
+            "max_output": 8,
+            "session_share": 0,
+            "burstiness": 4,
+        }
+    }
+    experiment = trace_experiment(
+        source, [2], windows=[{"start_s": 4, "duration_s": 4}], open_loop={"ramp_s": 0, "max_in_flight": 8}
+    )
     raw = experiment.raw
     raw["configurations"]["honest"]["args"] = ["--interval", "0.1"]
     experiment = Experiment(raw)

@@ -5,6 +5,11 @@ rule aggregate:
     input:
         cells=all_cells(),
         stops=all_server_stops(),
+        # Sampling that serves the verdict: every round's top-ups, and the last round's decisions (none otherwise).
+        top_ups=lambda wildcards: (
+            top_ups_before(last_round()) if EXPERIMENT.top_up_rounds else []
+        ),
+        decisions=[paths.decision(last_round())] if EXPERIMENT.top_up_rounds else [],
     output:
         # Every table of the run (servegrid.paths.RunTables): the job hands these very paths to the aggregation.
         **RUN_TABLES.named(),
@@ -16,6 +21,8 @@ rule aggregate:
         verdict_rules=as_params(EXPERIMENT.verdict),
         validity=as_params(EXPERIMENT.validity),
         slo=canonical_json(EXPERIMENT.raw["slo"]),
+        # The production table's prices (servegrid.analysis.cost).
+        cost=canonical_json(EXPERIMENT.raw.get("cost")),
         # Pairs, ties and the production winner follow the configurations' order.
         order=CONFIGURATIONS,
         # Which route's phases the verdict comes from, and whether the gateway's cost is computed.

@@ -7,7 +7,7 @@ rule cell:
     output:
         ensure(paths.CELL_PATTERN, non_empty=True),
     log:
-        "results/logs/cells/{configuration}/{mode}/ctx{context}_{load}.log",
+        paths.CELL_LOG_PATTERN,
     priority: cell_priority
     conda:
         "../../envs/pipeline.yaml"

@@ -5,15 +5,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from servegrid import paths
+from servegrid.analysis import top_ups
 from servegrid.pipeline import slurm
-from servegrid.reporting import document, figure_files, terminal_summary
+from servegrid.reporting import document, figure_files, terminal_summary, unfinished
 from servegrid.serving import server as servers
 from servegrid.config import Experiment, canonical_json, plan
 from servegrid.errors import ServegridError, ServerError
 from servegrid.paths import RunTables
 from servegrid.serving.procs import ProcessRef
 from servegrid.config.schema import read_yaml
-from servegrid.config.grid import LOAD_PATTERN
+from servegrid.records.cell_spec import LOAD_PATTERN
 
 # A job in a Snakemake of its own (a Slurm job, hours after submission maybe) measures the config its run
 # planned, not the files as edited since: servegrid.config.plan.
@@ -91,6 +92,7 @@ wildcard_constraints:
     context=r"\d+",
     load=LOAD_PATTERN,
     lang="|".join(LANGUAGES),
+    round=r"\d+",
 
 
 def cell_of(wildcards):
@@ -113,11 +115,61 @@ def launch_spec(wildcards):
 
 
 def cells_of_configuration(wildcards):
-    return [cell.path for cell in EXPERIMENT.cells(wildcards.configuration)]
+    """A server stops after its configuration's cells and, under the verdict policy, after the last round's
+    decisions and its top-ups: a server kept up between rounds is reused by the next round's top-ups.
+    """
+    cells = [cell.path for cell in EXPERIMENT.cells(wildcards.configuration)]
+    if EXPERIMENT.top_up_rounds is None:
+        return cells
+    return (
+        cells
+        + [paths.decision(last_round())]
+        + top_ups_before(last_round(), wildcards.configuration)
+    )
 
 
 def all_cells():
     return [cell.path for cell in EXPERIMENT.cells()]
+
+
+def top_ups_before(round_, configuration=None):
+    """The top-ups of rounds 1..round_-1 (of ``configuration``'s cells only, if given): each round's list is known
+    once its decision (a checkpoint) is made. None under the precision policy."""
+    if EXPERIMENT.top_up_rounds is None:
+        return []
+    grid = {cell.id: cell for cell in EXPERIMENT.cells(configuration)}
+    files = []
+    for earlier in range(1, round_):
+        decided = checkpoints.decide_round.get(round=earlier).output[0]
+        files += [
+            cell.top_up_path(earlier)
+            for cell in top_ups.cells_of_round(top_ups.top_ups_listed(decided), grid)
+        ]
+    return files
+
+
+def last_round():
+    """The round that tops nothing up and says how each group stopped."""
+    return EXPERIMENT.top_up_rounds + 1
+
+
+def decision_rule(wildcards):
+    """What a round's decisions depend on beyond its cells: the tie band, and whether it is the last round (so that
+    more rounds rerun only the round that was the last)."""
+    return canonical_json(
+        {
+            "min_factor": EXPERIMENT.verdict.min_factor,
+            "validity": asdict(EXPERIMENT.validity),
+            "route": EXPERIMENT.route,
+            "last": int(wildcards.round) > EXPERIMENT.top_up_rounds,
+        }
+    )
+
+
+def top_up_settings(wildcards):
+    return canonical_json(
+        EXPERIMENT.top_up_settings(cell_of(wildcards), int(wildcards.round))
+    )
 
 
 def all_server_stops():
@@ -186,6 +238,12 @@ def startup_runtime_s(wildcards):
     return EXPERIMENT.operations.startup_timeout_s + slurm.CELL_OVERHEAD_S
 
 
+def calibration_runtime_s(wildcards):
+    from servegrid.pipeline import calibration_pass
+
+    return calibration_pass.time_limit_s(EXPERIMENT, wildcards.configuration)
+
+
 def shutdown_runtime_s(wildcards):
     return EXPERIMENT.operations.shutdown_timeout_s + slurm.CELL_OVERHEAD_S
 
@@ -206,6 +264,16 @@ def stop_priority(wildcards):
     return cell_priority(wildcards) - 1
 
 
+# Each top-up round runs the configurations in the order opposite to the round
+# before: the server the last one left up serves first, one start saved per round
+# where servers take turns (CPU; fewer devices than configurations).
+def top_up_priority(wildcards):
+    index = EXPERIMENT.configuration_index(wildcards.configuration)
+    if int(wildcards.round) % 2:
+        index = len(EXPERIMENT.configurations) - 1 - index
+    return 1000 - 3 * index
+
+
 def model_inputs(wildcards):
     return [] if EXPERIMENT.tiny_model_spec() is None else [EXPERIMENT.model.path]
 
@@ -221,6 +289,24 @@ def print_run_summary():
         ValueError,
     ) as exc:  # a summary that fails never fails the run
         print(f"servegrid: no summary ({exc}); see results/tables/")
+
+
+def print_unfinished():
+    """On a failed run: each configuration with cells left unmeasured, and why (servegrid.reporting.unfinished)."""
+    try:
+        said = unfinished.text(
+            EXPERIMENT,
+            servers.Runtime.from_config(EXPERIMENT.operations),
+            ProcessRef.of(os.getpid()),
+        )
+    except (
+        ServegridError,
+        OSError,
+        ValueError,
+    ) as exc:  # never hides the run's own error
+        said = f"servegrid: no list of what is left ({exc})"
+    if said:
+        print(said)
 
 
 def stop_all_servers(reason):

@@ -19,7 +19,7 @@ def control_client(timeout: float, headers: Mapping[str, str] | None = None) -> 
     return httpx.Client(timeout=timeout, headers=dict(headers or {}), trust_env=False)
 
 
-def async_control_client(timeout: float, headers: Mapping[str, str] | None = None) -> httpx.AsyncClient:
+def async_control_client(timeout: float | httpx.Timeout, headers: Mapping[str, str] | None = None) -> httpx.AsyncClient:
     """The same, for control calls made beside the measured streams (the metrics scrape): on aiohttp's transport,
     one event loop and one HTTP stack for both (``trust_env=False`` as well). Imported here: the servers'
     and the jobs' start-up never load aiohttp (tests/unit/test_architecture.py)."""

@@ -17,7 +17,8 @@ else is a bug and keeps its traceback.
     │   ├── CellStalled        its server stopped making progress: it is stopped, never reused
     │   └── ServerLost         its server stopped answering outside a measured stream (a control call, a connect)
     ├── PreflightError     the host or the user's engine would refuse a configuration (servegrid preflight)
-    ├── CellFileError      a cell file cannot be read back
+    ├── CellFileError      a cell file cannot be read back (damaged, truncated, not servegrid's)
+    ├── NewerFormatError   a file servegrid reads back was written by a newer servegrid: kept as it is, never set aside
     ├── OutputError        an output cannot be written (disk full, file too large, permissions)
     └── ReportError        figures or a report could not be built
 """
@@ -96,6 +97,11 @@ class ServerLost(CellError):
 
 class CellFileError(ServegridError):
     """A cell file cannot be read: damaged, truncated or not servegrid's; the message names the file."""
+
+
+class NewerFormatError(ServegridError):
+    """A file servegrid reads back (a cell file, a server record, a plan) was written by a newer servegrid in a
+    format this one does not know. Not damage: the file is left where it is, and the message says to upgrade."""
 
 
 class OutputError(ServegridError):

@@ -17,10 +17,20 @@ PLANS_DIR = f"{RESULTS}/.plans"  # the config each run planned with, read by its
 
 # {load}: c<sessions> (closed loop) or r<requests/s> (open loop): servegrid.config.grid
 CELL_PATTERN = RESULTS + "/cells/{configuration}/{mode}/ctx{context}_{load}.parquet"
+CELL_LOG_PATTERN = RESULTS + "/logs/cells/{configuration}/{mode}/ctx{context}_{load}.log"
+# Sampling that serves the verdict (servegrid.analysis.top_ups): what each round decided, and its top-ups, each the
+# measured phase of one cell again (a file of the cell format, beside its cell: a cell's file is never rewritten).
+DECISION_PATTERN = RESULTS + "/decisions/round{round}.json"
+TOP_UP_PATTERN = RESULTS + "/top-ups/round{round}/{configuration}/{mode}/ctx{context}_{load}.parquet"
+TOP_UP_LOG_PATTERN = RESULTS + "/logs/top-ups/round{round}/{configuration}/{mode}/ctx{context}_{load}.log"
 SERVER_SPEC_PATTERN = RESULTS + "/servers/{configuration}/spec.json"
 PREFLIGHT_PATTERN = RESULTS + "/servers/{configuration}/preflight.json"  # written with the spec
 SERVER_STOP_PATTERN = RESULTS + "/servers/{configuration}/stopped.json"
 SERVER_LOG_DIR_PATTERN = RESULTS + "/servers/{configuration}/logs"
+# What one short session of the server measured about its cells' cost (servegrid.pipeline.calibration_pass): kept with
+# the spec, redone only when the spec changes.
+CALIBRATION_PATTERN = RESULTS + "/servers/{configuration}/calibration.json"
+CALIBRATION_LOG_PATTERN = RESULTS + "/logs/servers/{configuration}/calibration.log"
 
 REQUESTS_TABLE = f"{RESULTS}/tables/requests.parquet"
 SUMMARY_TABLE = f"{RESULTS}/tables/summary.parquet"
@@ -43,8 +53,20 @@ REPORT_DIR = f"{RESULTS}/report"
 REPORT_PATTERN = REPORT_DIR + "/servegrid-{lang}.{ext}"
 
 
+def calibration_path(configuration: str) -> str:
+    return CALIBRATION_PATTERN.format(configuration=configuration)
+
+
 def cell(configuration: str, mode: str, context: int, load: str) -> str:
     return CELL_PATTERN.format(configuration=configuration, mode=mode, context=context, load=load)
+
+
+def top_up(configuration: str, mode: str, context: int, load: str, round_: int) -> str:
+    return TOP_UP_PATTERN.format(configuration=configuration, mode=mode, context=context, load=load, round=round_)
+
+
+def decision(round_: int) -> str:
+    return DECISION_PATTERN.format(round=round_)
 
 
 def server_stop(configuration: str) -> str:

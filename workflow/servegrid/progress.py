@@ -3,7 +3,7 @@
 Log lines rather than a progress bar, so that they land in each job's log and on the terminal alike, at
 most one every :data:`INTERVAL_S` seconds per activity (a stage's end is always said). The lines themselves
 are written where their facts are: the server's start-up in :mod:`servegrid.serving.launch`, a cell's stages beside
-the runner (:mod:`servegrid.modes.runner`), the grid's in :mod:`servegrid.pipeline.cell_job`.
+the runner (:mod:`servegrid.modes.runner`), the grid's in :mod:`servegrid.pipeline.grid_progress`.
 """
 
 from __future__ import annotations

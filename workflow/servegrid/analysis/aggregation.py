@@ -7,25 +7,29 @@ own modules; the servers table is made here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 
 from servegrid import atomic
-from servegrid.analysis import gateway_cost, rate_verdict, slo, verdict
-from servegrid.analysis.requests_table import closed_loop, load_cells
-from servegrid.analysis.summary_table import summarize
+from servegrid.analysis import cost, gateway_cost, rate_verdict, slo, top_ups, verdict
+from servegrid.analysis.measured_run import measured_run
+from servegrid.analysis.requests_table import closed_loop
 from servegrid.config import Experiment
 from servegrid.paths import RunTables
-from servegrid.records.per_request import derive
+from servegrid.records import table_format
+from servegrid.records.cell_record import CellRecord
 
 
-def servers(metas: list[dict[str, Any]]) -> pd.DataFrame:
+def servers(metas: list[CellRecord]) -> pd.DataFrame:
     """One row per server session that measured at least one cell, or whose engine refused its cells
     (``refused``: the engine's reason; None for a server that measured)."""
     seen: dict[str, dict[str, Any]] = {}
-    for meta in metas:
-        facts = meta["server"]
+    # A cell's top-ups may have run on other sessions of its server (sampling that serves the verdict): each counts.
+    sessions = [(meta, meta.server) for meta in metas]
+    sessions += [(meta, top["server"]) for meta in metas for top in meta.top_ups if top.get("server")]
+    for meta, facts in sessions:
         if facts["session"] in seen:
             seen[facts["session"]]["cells"] += 1
             continue
@@ -49,8 +53,10 @@ def servers(metas: list[dict[str, Any]]) -> pd.DataFrame:
             "host_os": host.get("os"),
             "host_gpus": "; ".join(f"{g['index']}: {g['name']} ({g['memory']})" for g in host.get("gpus") or []),
             "cpus": list(facts.get("cpus") or []),
+            "kv_group_block_sizes": list(facts.get("kv_group_block_sizes") or []),
+            "hits_judged": facts.get("hits_judged", True),
             "cells": 1,
-            "refused": meta.get("refused"),
+            "refused": meta.refused,
         }
     return pd.DataFrame(list(seen.values()))
 
@@ -68,27 +74,32 @@ def refused_configurations(servers: pd.DataFrame) -> dict[str, str]:
     return out
 
 
-def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) -> pd.DataFrame:
-    """Every table of ``tables`` from the cell files (each written whole, or not at all); returns the summary."""
-    everything, read_metas = load_cells(cell_paths)
-    # A refused cell (its engine died at its first request) has no request: the servers table names its
-    # reason; every other table is made of the measured cells, so the verdict proceeds with the others.
-    refused = [m for m in read_metas if m.get("refused")]
-    all_metas = [m for m in read_metas if not m.get("refused")]
-    derived_all = derive(everything) if all_metas else everything  # cell files without a row still have every column
-    # The verdict's route (direct, unless every cell goes through the gateway); the other route, where cells were
-    # measured both ways, is only compared with it (servegrid.analysis.gateway_cost).
-    verdict_route = experiment.routes()[0]
+def aggregate(
+    experiment: Experiment,
+    cell_paths: list[str],
+    tables: RunTables,
+    top_up_files: Sequence[str] = (),
+    decisions: str | None = None,
+) -> pd.DataFrame:
+    """Every table of ``tables`` from the cell files and their top-ups (each written whole, or not at all); returns
+    the summary. ``decisions``: the last round's decisions of sampling that serves the verdict, which say per group
+    how its sampling stopped."""
+    run = measured_run(experiment, cell_paths, top_up_files)
+    derived_all, derived, metas, all_metas = run.derived_all, run.derived, run.metas, run.all_metas
+    refused = run.refused
     routes = derived_all["route"] if "route" in derived_all else pd.Series("direct", index=derived_all.index)
-    derived = derived_all[routes == verdict_route]
-    metas = [m for m in all_metas if m.get("route", "direct") == verdict_route]
-    summary = summarize(derived, metas, experiment)
+    summary = run.summary
     # The verdict, its crossovers and the production table compare closed-loop cells (sessions); open-loop cells
     # (rates) are in the summary beside them.
     closed = closed_loop(summary)
     samples = verdict.CellSamples(closed_loop(derived))  # keyed by sessions: open-loop rows would share a key
     comparisons = verdict.compare(closed, samples, experiment.verdict.min_factor)
+    if decisions is not None:
+        comparisons = top_ups.with_how_sampling_stopped(comparisons, top_ups.read_decisions(decisions))
     rules, order = experiment.verdict, list(experiment.configurations)
+    production = cost.price(slo.production(closed, order, list(experiment.slo), rules.min_factor), closed, experiment)
+    if experiment.cost is not None and experiment.cost.rank_by == "cost":
+        production = cost.rerank(production, rules.min_factor)
     added, changes = gateway_cost.tables(experiment, derived, derived_all[routes == "proxy"], all_metas, comparisons)
     outputs = [
         (derived, tables.requests),
@@ -97,7 +108,7 @@ def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) 
         (comparisons, tables.comparisons),
         (verdict.classify(comparisons, rules), tables.verdict),
         (verdict.crossovers(verdict.duels(closed, samples, order), order, rules), tables.crossovers),
-        (slo.production(closed, order, list(experiment.slo), rules.min_factor), tables.production),
+        (production, tables.production),
         (added, tables.gateway),
         (changes, tables.gateway_verdict),
         (
@@ -107,5 +118,5 @@ def aggregate(experiment: Experiment, cell_paths: list[str], tables: RunTables) 
     ]
     for frame, out in outputs:
         with atomic.atomic_path(out) as tmp:
-            frame.to_parquet(tmp, index=False)
+            table_format.write(frame, tmp)
     return summary

@@ -31,11 +31,24 @@ class CellRows:
         return self._cache[column]
 
     def floats(self, column: str, mask: np.ndarray) -> np.ndarray:
-        return self[column][mask].astype(float)
+        values: np.ndarray = self[column][mask].astype(float)
+        return values
 
     def frame(self, mask: np.ndarray, columns: list[str]) -> pd.DataFrame:
         return pd.DataFrame({c: self[c][mask] for c in columns})
 
 
-HOOK_COLUMNS = ["session", "seq", "turn", "phase", "valid", "error", "ttft_s", "tpot_s", "e2e_s",
-                "prompt_tokens_reported", "prompt_tokens_requested", "output_tokens_requested"]  # fmt: skip
+HOOK_COLUMNS = [
+    "session",
+    "seq",
+    "turn",
+    "phase",
+    "valid",
+    "error",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "prompt_tokens_reported",
+    "prompt_tokens_requested",
+    "output_tokens_requested",
+]

@@ -24,6 +24,7 @@ from servegrid.analysis import verdict
 from servegrid.analysis.requests_table import CELL_KEYS, cell_key, with_window
 from servegrid.analysis.summary_table import summarize
 from servegrid.config import Experiment
+from servegrid.records.cell_record import CellRecord
 from servegrid.stats import intervals, sampling
 
 FIGURES = ("ttft_s", "tpot_s", "e2e_s")
@@ -50,7 +51,9 @@ def _added(direct: np.ndarray, proxied: np.ndarray, q: int, rng: np.random.Gener
     }
 
 
-def added_latency(direct: pd.DataFrame, proxied: pd.DataFrame, checks: dict[tuple, dict[str, Any]]) -> pd.DataFrame:
+def added_latency(
+    direct: pd.DataFrame, proxied: pd.DataFrame, checks: dict[tuple, dict[str, Any] | None]
+) -> pd.DataFrame:
     """One row per cell measured both ways: each figure's p50 and p99 direct and through the gateway, what the
     gateway added (with its interval), the gateway it went through and what the gateway check found for that cell
     (``checks``: each cell file's ``gateway`` record, by cell key)."""
@@ -96,8 +99,9 @@ def verdict_changes(direct: pd.DataFrame, proxied: pd.DataFrame) -> pd.DataFrame
     """Per workload class: the verdict from the direct phases beside the one through the gateway (the
     classify() tables of both), and whether the gateway changes it (outcome or winner)."""
     if direct.empty or proxied.empty:
-        return pd.DataFrame(columns=["class_id", "outcome_direct", "winner_direct", "outcome_proxy", "winner_proxy",
-                                     "changed"])  # fmt: skip
+        return pd.DataFrame(
+            columns=["class_id", "outcome_direct", "winner_direct", "outcome_proxy", "winner_proxy", "changed"]
+        )
     both = direct[["class_id", "outcome", "winner"]].merge(
         proxied[["class_id", "outcome", "winner"]], on="class_id", suffixes=("_direct", "_proxy")
     )
@@ -111,7 +115,7 @@ def tables(
     experiment: Experiment,
     direct: pd.DataFrame,
     proxied: pd.DataFrame,
-    metas: list[dict[str, Any]],
+    metas: list[CellRecord],
     comparisons: pd.DataFrame,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The gateway's added latency and the verdict through it beside the direct one (empty unless cells went
@@ -120,9 +124,9 @@ def tables(
     changes = verdict_changes(pd.DataFrame(), pd.DataFrame())
     if experiment.route != "both" or proxied.empty:
         return pd.DataFrame(), changes
-    checks = {cell_key(m["cell"]): m.get("gateway") for m in metas if m.get("route") != "proxy"}
+    checks = {cell_key(m.spec): m.gateway for m in metas if m.route != "proxy"}
     added = added_latency(direct, proxied, checks)
-    proxy_metas = [m for m in metas if m.get("route") == "proxy"]
+    proxy_metas = [m for m in metas if m.route == "proxy"]
     proxy_summary = summarize(proxied, proxy_metas, experiment)
     proxy_comparisons = verdict.compare(
         proxy_summary, verdict.CellSamples(proxied, salt="proxy"), experiment.verdict.min_factor

@@ -1,35 +1,46 @@
 """A cell's load in the summary: its name's last part, and for an open-loop cell what its runs did
-(servegrid.modes.open_loop: the rate it achieved, whether it saturated, its ramp and drain)."""
+(servegrid.load.open_loop: the rate it achieved, whether it saturated, its ramp and drain)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from servegrid.records.cell_spec import CellSpec, Sessions
 
 
 def load_columns(
-    cell: dict[str, Any],
+    cell: CellSpec,
     runs: list[dict[str, Any]] | None,
     n_valid: int,
     window_s: float | None,
-    arrival: dict[str, Any] | None,
+    arrival: Mapping[str, Any] | None,
     requests_per_arrival: float = 1.0,
     n_measured: int = 0,
 ) -> dict[str, Any]:
-    """The cell's load, and for an open-loop cell what its runs did (servegrid.modes.open_loop), every repeat
+    """The cell's load, and for an open-loop cell what its runs did (servegrid.load.open_loop), every repeat
     together: the rate it achieved, whether it saturated, how long its ramp and drain were."""
-    rate = float(cell.get("rate") or 0.0)
-    open_loop = rate > 0 and runs is not None
-    load = cell["id"].rsplit("/", 1)[-1].split("_", 1)[1]  # after ctx<N>_: c4, r0.5, x2, x2_w600+300
+    rate = 0.0 if isinstance(cell.load, Sessions) else cell.load.per_s
+    open_loop = cell.open_loop and runs is not None
     columns: dict[str, Any] = {
-        "load": load,
+        "load": cell.load.label,  # the last part of the cell's name: c4, r0.5, x2, x2_w600+300
         "open_loop": open_loop,
         # Requests/s, as the achieved rate and goodput are: a multi_turn arrival (a conversation) brings each turn.
         "offered_rate": rate * requests_per_arrival if open_loop else None,
         "arrival_pattern": (arrival or {}).get("pattern") if open_loop else None,
         "burstiness": (arrival or {}).get("burstiness") if open_loop else None,
     }
-    names = ("achieved_rate", "scheduled_rate", "saturated", "not_sent", "peak_in_flight", "ramp_s", "drain_s",
-             "ramp_requests", "drain_requests")  # fmt: skip
+    names = (
+        "achieved_rate",
+        "scheduled_rate",
+        "saturated",
+        "not_sent",
+        "peak_in_flight",
+        "ramp_s",
+        "drain_s",
+        "ramp_requests",
+        "drain_requests",
+    )
     if not open_loop or not runs:
         return columns | dict.fromkeys(names)
     return columns | {

@@ -29,9 +29,24 @@ from servegrid.analysis.requests_table import CELL_KEYS, SERIES_KEYS, with_windo
 from servegrid.config.sections import Objective
 from servegrid.stats import intervals, sampling
 
-COLUMNS = ["mode", "context", "window", "configuration", "sustainable_rate", "capacity_below", "stopped_by",
-           "measured_rates", "sustained_rates", "goodput_rps", "winner", "ratio_to_baseline", "ratio_ci_low",
-           "ratio_ci_high", "sustainable_speedup", "speedup_below"]  # fmt: skip
+COLUMNS = [
+    "mode",
+    "context",
+    "window",
+    "configuration",
+    "sustainable_rate",
+    "capacity_below",
+    "stopped_by",
+    "measured_rates",
+    "sustained_rates",
+    "goodput_rps",
+    "winner",
+    "ratio_to_baseline",
+    "ratio_ci_low",
+    "ratio_ci_high",
+    "sustainable_speedup",
+    "speedup_below",
+]
 RESAMPLES = 2000
 
 
@@ -93,19 +108,27 @@ def rate_table(
             judged = [cell_sustains(r, share) for r in own]
             held = _sustained(rates, [ok for ok, _ in judged])
             goodput = own[held - 1].get("goodput_rps") if held else None
-            rows.append({
-                "mode": mode, "context": int(context), "window": str(window), "configuration": name,
-                "sustainable_rate": rates[held - 1] if held else None,
-                "capacity_below": rates[held] if held < len(rates) else None,
-                "stopped_by": judged[held][1] if held < len(rates) else None,
-                "measured_rates": ",".join(f"{r:g}" for r in rates),
-                "sustained_rates": ",".join(f"{r:g}" for r, (ok, _) in zip(rates, judged, strict=True) if ok),
-                "goodput_rps": None if goodput is None or pd.isna(goodput) else float(goodput),
-                "winner": False, "ratio_to_baseline": None, "ratio_ci_low": None, "ratio_ci_high": None,
-                # A replayed trace: the same in the trace's speedups (its offered rates are the trace's times these).
-                "sustainable_speedup": _speedup(own[held - 1]) if held else None,
-                "speedup_below": _speedup(own[held]) if held < len(rates) else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "mode": mode,
+                    "context": int(context),
+                    "window": str(window),
+                    "configuration": name,
+                    "sustainable_rate": rates[held - 1] if held else None,
+                    "capacity_below": rates[held] if held < len(rates) else None,
+                    "stopped_by": judged[held][1] if held < len(rates) else None,
+                    "measured_rates": ",".join(f"{r:g}" for r in rates),
+                    "sustained_rates": ",".join(f"{r:g}" for r, (ok, _) in zip(rates, judged, strict=True) if ok),
+                    "goodput_rps": None if goodput is None or pd.isna(goodput) else float(goodput),
+                    "winner": False,
+                    "ratio_to_baseline": None,
+                    "ratio_ci_low": None,
+                    "ratio_ci_high": None,
+                    # A replayed trace: the same in the trace's speedups (its offered rates: the trace's times these).
+                    "sustainable_speedup": _speedup(own[held - 1]) if held else None,
+                    "speedup_below": _speedup(own[held]) if held < len(rates) else None,
+                }
+            )
             resampled[name] = _resampled_sustainable(own, by_cell, goals, share)
         group_rows = rows[len(rows) - len(names) :]
         _mark_winners(group_rows, min_factor)
@@ -147,9 +170,11 @@ def _ratios(group: list[dict[str, Any]], resampled: dict[str, np.ndarray]) -> No
 
 
 def _resampled_sustainable(
-    own: list[dict[str, Any]], by_cell: dict[tuple[Any, ...], pd.DataFrame], goals: tuple[Objective, ...],
+    own: list[dict[str, Any]],
+    by_cell: dict[tuple[Any, ...], pd.DataFrame],
+    goals: tuple[Objective, ...],
     share: float,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """The configuration's sustainable rate in each of RESAMPLES resamples of its cells' requests (0: none)."""
     passes = np.zeros((len(own), RESAMPLES), dtype=bool)
     for i, row in enumerate(own):

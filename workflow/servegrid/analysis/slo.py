@@ -32,7 +32,7 @@ COLUMNS = {
 
 def met_by_request(requests: pd.DataFrame, goals: tuple[Objective, ...]) -> np.ndarray:
     """Per measured request: within every objective's limit (an error, or a missing figure, is not)."""
-    ok = requests["error"].isna().to_numpy().copy()  # a view of the frame may be read-only
+    ok: np.ndarray = requests["error"].isna().to_numpy().copy()  # a view of the frame may be read-only
     for goal in goals:
         values = requests[COLUMNS[goal.metric]].to_numpy(dtype=float)
         ok &= ~np.isnan(values) & (values <= goal.limit_s)
@@ -41,8 +41,13 @@ def met_by_request(requests: pd.DataFrame, goals: tuple[Objective, ...]) -> np.n
 
 def cell_columns(requests: pd.DataFrame, goals: tuple[Objective, ...], duration_s: float | None) -> dict[str, Any]:
     """The summary's SLO columns of one cell from its measured requests (all of them, failed ones too)."""
-    empty = {"slo_met": None, "slo_attainment": None, "slo_attainment_ci_low": None,
-             "slo_attainment_ci_high": None, "goodput_rps": None}  # fmt: skip
+    empty = {
+        "slo_met": None,
+        "slo_attainment": None,
+        "slo_attainment_ci_low": None,
+        "slo_attainment_ci_high": None,
+        "goodput_rps": None,
+    }
     if not goals or requests.empty:
         return empty
     met = met_by_request(requests, goals)
@@ -66,8 +71,18 @@ def cell_columns(requests: pd.DataFrame, goals: tuple[Objective, ...], duration_
     }
 
 
-PRODUCTION_COLUMNS = ["mode", "context", "configuration", "sustained_concurrency", "stopped_by", "measured",
-                      "met", "non_monotone", "goodput_rps", "winner"]  # fmt: skip
+PRODUCTION_COLUMNS = [
+    "mode",
+    "context",
+    "configuration",
+    "sustained_concurrency",
+    "stopped_by",
+    "measured",
+    "met",
+    "non_monotone",
+    "goodput_rps",
+    "winner",
+]
 
 
 def production(

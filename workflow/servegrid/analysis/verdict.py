@@ -9,7 +9,7 @@ KV-cache capacity the group is "neither — KV limit": the figure then measures
 the pool, not the configuration. For every pair of configurations, the
 crossover is where the lead between them changes as the load grows.
 
-This module runs over 300 lines because it is the whole verdict engine (ranking, duels and their shared
+This module is the whole verdict engine (ranking, duels and their shared
 bootstrap, classes, crossovers): every rule that turns numbers into a verdict reads in one place.
 """
 
@@ -196,9 +196,11 @@ def shared_lead(group: dict[str, Any], rules: VerdictRules) -> bool:
     """A group whose winner ties with others, while these leaders are decisively ahead of the rest."""
     leaders = str(group.get("leaders") or "")
     factor, low = group.get("lead_factor"), group.get("lead_ci_low")
-    if "," not in leaders or intervals.missing(factor) or group.get("lead_kv_limited") or group["kv_limited"]:
+    if factor is None or intervals.missing(factor) or "," not in leaders:
         return False
-    return bool(factor >= rules.min_factor and not intervals.missing(low) and low > 1.0)
+    if group.get("lead_kv_limited") or group["kv_limited"]:
+        return False
+    return bool(factor >= rules.min_factor and low is not None and not intervals.missing(low) and low > 1.0)
 
 
 def classify(comparisons: pd.DataFrame, rules: VerdictRules) -> pd.DataFrame:
@@ -308,8 +310,19 @@ def duels(summary: pd.DataFrame, samples: CellSamples, order: list[str]) -> pd.D
     return pd.DataFrame(rows)
 
 
-CROSSOVER_COLUMNS = ["mode", "leader", "other", "found", "context", "concurrency", "factor", "factor_ci_low",
-                     "factor_ci_high", "groups", "decisive_groups"]  # fmt: skip
+CROSSOVER_COLUMNS = [
+    "mode",
+    "leader",
+    "other",
+    "found",
+    "context",
+    "concurrency",
+    "factor",
+    "factor_ci_low",
+    "factor_ci_high",
+    "groups",
+    "decisive_groups",
+]
 
 
 def crossovers(pairs: pd.DataFrame, order: list[str], rules: VerdictRules) -> pd.DataFrame:
@@ -317,7 +330,7 @@ def crossovers(pairs: pd.DataFrame, order: list[str], rules: VerdictRules) -> pd
     one in the decisive cell group with the least work asked for (context × concurrency), and the
     lightest decisive group in which the *other* one is better instead: where the lead changes, if it
     does in this grid."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     if pairs.empty:
         return pd.DataFrame(rows, columns=CROSSOVER_COLUMNS)
     rank = {name: i for i, name in enumerate(order)}
@@ -325,8 +338,8 @@ def crossovers(pairs: pd.DataFrame, order: list[str], rules: VerdictRules) -> pd
         duels_of_mode = pairs[pairs["mode"] == mode].to_dict("records")
         by_pair: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for duel in duels_of_mode:
-            pair = tuple(sorted((duel["winner"], duel["runner_up"]), key=lambda n: rank.get(n, len(rank))))
-            by_pair.setdefault(pair, []).append(duel)  # type: ignore[arg-type]
+            first, second = sorted((duel["winner"], duel["runner_up"]), key=lambda n: rank.get(n, len(rank)))
+            by_pair.setdefault((first, second), []).append(duel)
         for pair in sorted(by_pair, key=lambda p: (rank.get(p[0], len(rank)), rank.get(p[1], len(rank)))):
             rows.append(_pair_crossover(mode, by_pair[pair], rules))
     return pd.DataFrame(rows, columns=CROSSOVER_COLUMNS)

@@ -7,7 +7,7 @@ its siblings directly.
 
 from servegrid.config.experiment import (
     MEASUREMENT_VERSION,
-    Cell,
+    CellSpec,
     ClassRule,
     Configuration,
     Experiment,
@@ -21,7 +21,7 @@ from servegrid.config.experiment import (
 
 __all__ = [
     "MEASUREMENT_VERSION",
-    "Cell",
+    "CellSpec",
     "ClassRule",
     "Configuration",
     "Experiment",

@@ -29,8 +29,13 @@ class Experiment(Protocol):
     info: ExperimentInfo
     model: ModelSection
     engine: EngineSection
-    configurations: Mapping[str, Configuration]
-    workloads: Mapping[str, Workload]
+
+    # Read-only (properties): a protocol's plain attribute is invariant, and the experiment's are dicts.
+    @property
+    def configurations(self) -> Mapping[str, Configuration]: ...
+    @property
+    def workloads(self) -> Mapping[str, Workload]: ...
+
     operations: Operations
     route: str
     proxy: ProxySection | None
@@ -49,6 +54,7 @@ def check(experiment: Experiment) -> None:
             {"engine.env": experiment.engine.env or {}}
             | {f"configurations.{n}.env": c.env or {} for n, c in experiment.configurations.items()},
             tiny_model=_tiny_model_weights(experiment),
+            host=experiment.operations.host,
         )
         _no_secret_values(experiment)
         _loads(experiment)

@@ -12,8 +12,8 @@ timeouts, GPU placement) deliberately appear in neither. What figures and
 reports show of the configuration is :meth:`Experiment.presentation`
 (:mod:`servegrid.config.presentation`), a declared input of those rules alone.
 
-It runs over 300 lines so that every identity that decides a rerun (launch
-specs, cell settings, the gateway's) is computed in this one place.
+Every identity that decides a rerun (launch specs, cell settings, the
+gateway's) is computed in this one place.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from typing import Any
 
 from servegrid import engines, modes, redact
 from servegrid.config.checks import check
-from servegrid.config.grid import OPEN_LOOP_KEYS, Cell, parse_load
+from servegrid.config.grid import OPEN_LOOP_KEYS
 from servegrid.config.presentation import Presentation
 from servegrid.config.schema import read_yaml, validate
 from servegrid.config.sections import (
     ClassRule,
     Configuration,
+    Cost,
     EngineSection,
     ExperimentInfo,
     ModelSection,
@@ -49,9 +50,10 @@ from servegrid.config.sections import (
 )
 from servegrid.config.tiny_model_spec import TinyModelSpec
 from servegrid.errors import ConfigError
+from servegrid.records.cell_spec import CellSpec, Load, Rate, Replay, Sessions, parse_load
 from servegrid.stats.sampling import SamplingRule
 
-__all__ = ["Cell", "ClassRule", "Configuration", "Experiment", "Operations", "Validity", "VerdictRules", "Workload"]
+__all__ = ["CellSpec", "ClassRule", "Configuration", "Experiment", "Operations", "Validity", "VerdictRules", "Workload"]
 
 
 # Bump when the way a cell is measured changes: every cell reruns.
@@ -110,6 +112,13 @@ class Experiment(Presentation):
         for key, (low, high) in self.estimate.items():
             if low > high:
                 raise ConfigError(f"estimate.{key}: [{low:g}, {high:g}] is not [low, high] (speeds: [slow, fast])")
+        # Prices for the production table's cost per million tokens (servegrid.analysis.cost); None: not priced.
+        self.cost: Cost | None = section(Cost, r["cost"]) if r.get("cost") is not None else None
+        # Sampling that serves the verdict (docs/sampling.md): None under the precision policy, else the most rounds
+        # of top-ups a cell group gets.
+        self.top_up_rounds: int | None = (
+            int(r["sampling"]["top_up_rounds"]) if r["sampling"]["policy"] == "verdict" else None
+        )
         self.languages: list[str] = list(r["report"]["languages"])
         self.report_formats: list[str] = list(r["report"]["formats"])
         self.report_baseline: str | None = r["report"]["baseline"]
@@ -145,7 +154,9 @@ class Experiment(Presentation):
             return {}
         drain = int(written["open_loop"]["max_in_flight"])
         try:
-            windows = {label: dict(w) for label, w in hook({**settings, "windows": written["windows"]}, drain).items()}
+            windows: dict[str, Mapping[str, Any]] = {
+                label: dict(w) for label, w in hook({**settings, "windows": written["windows"]}, drain).items()
+            }
         except ConfigError as exc:
             raise ConfigError(f"{self.source}: workloads.{mode}: {exc}") from None
         for label, cell_workload in windows.items():
@@ -174,52 +185,49 @@ class Experiment(Presentation):
             raise ConfigError(f"{self.source}: workloads.{mode}: not enabled in this configuration")
         return self.workloads[mode]
 
-    def cells(self, configuration: str | None = None) -> list[Cell]:
+    def cells(self, configuration: str | None = None) -> list[CellSpec]:
         names = [configuration] if configuration else list(self.configurations)
         # Closed-loop cells first, then open-loop ones: each in the order the config lists its loads.
         # A trace's cells window by window, each at every speedup.
-        loads = {
-            m: [(c, 0.0, 0.0, "") for c in w.concurrency] + [(0, r, 0.0, "") for r in w.rates]
-            + [(0, w.offered_rate(x, window), x, window) for window in w.windows for x in w.speedups]
-            for m, w in self.workloads.items()
-        }  # fmt: skip
+        loads = {m: self._loads(w) for m, w in self.workloads.items()}
         return [
-            Cell(name, w.mode, context, concurrency, rate, speedup, window)
+            CellSpec(name, w.mode, context, load)
             for name in names
             for w in self.workloads.values()
             for context in w.contexts
-            for concurrency, rate, speedup, window in loads[w.mode]
+            for load in loads[w.mode]
         ]
 
-    def cell(self, configuration: str, mode: str, context: int, load: int | str) -> Cell:
+    @staticmethod
+    def _loads(workload: Workload) -> list[Load]:
+        pattern = str(workload.open_loop.get("arrival", {}).get("pattern", "")) if workload.rates else ""
+        return [
+            *(Sessions(c) for c in workload.concurrency),
+            *(Rate(r, pattern) for r in workload.rates),
+            *(
+                Replay(x, window, workload.offered_rate(x, window))
+                for window in workload.windows
+                for x in workload.speedups
+            ),
+        ]
+
+    def cell(self, configuration: str, mode: str, context: int, load: int | str) -> CellSpec:
         """The grid's cell at ``load``: sessions (an int, or ``"c4"``), an offered rate (``"r0.5"``) or a trace's
         speedup in one of its windows (``"x2"``, ``"x2_w600+300"``)."""
-        concurrency, rate, speedup, window = parse_load(load)
-        workload = self.workloads.get(mode)
-        if speedup:
-            rate = workload.offered_rate(speedup, window) if workload is not None else 0.0
+        name = f"{configuration}/{mode}/ctx{context}_{load}"
         try:
-            wanted = Cell(configuration, mode, int(context), concurrency, rate, speedup, window)
-        except ValueError:  # a speedup the mode does not have: no rate
-            raise ConfigError(
-                f"{self.source}: cell {configuration}/{mode}/ctx{context}_{load} is not in the grid"
-            ) from None
+            parsed = parse_load(load)
+        except ValueError as exc:
+            raise ConfigError(f"{self.source}: cell {name}: {exc}") from None
+        workload = self.workloads.get(mode)
         # Checked in place, not against self.cells(): Snakemake asks once per cell job, and rebuilding the
         # grid each time made the DAG grow with the square of the grid (docs/scale.md).
-        if speedup:
-            in_load = rate > 0  # the mode has that speedup and that window
-        elif wanted.open_loop:
-            in_load = workload is not None and wanted.rate in workload.rates
-        else:
-            in_load = workload is not None and wanted.concurrency in workload.concurrency
-        if not (
-            configuration in self.configurations
-            and workload is not None
-            and wanted.context in workload.contexts
-            and in_load
-        ):
-            raise ConfigError(f"{self.source}: cell {wanted.id} is not in the grid")
-        return wanted
+        wanted: Load | None = None
+        if workload is not None and configuration in self.configurations and int(context) in workload.contexts:
+            wanted = next((known for known in self._loads(workload) if known.label == parsed.label), None)
+        if wanted is None:
+            raise ConfigError(f"{self.source}: cell {name} is not in the grid")
+        return CellSpec(configuration, mode, int(context), wanted)
 
     def configuration(self, name: str) -> Configuration:
         if name not in self.configurations:
@@ -280,10 +288,15 @@ class Experiment(Presentation):
         p = self.proxy
         if p.url is not None:
             return {"url": p.url, "models": dict(p.models or {})}
-        return {"kind": p.kind, "version": p.version, "command": list(p.command), "args": redact.argv(p.args),
-                "model_params": dict(p.model_params or {})}  # fmt: skip
+        return {
+            "kind": p.kind,
+            "version": p.version,
+            "command": list(p.command),
+            "args": redact.argv(p.args),
+            "model_params": dict(p.model_params or {}),
+        }
 
-    def cell_settings(self, cell: Cell) -> dict[str, Any]:
+    def cell_settings(self, cell: CellSpec) -> dict[str, Any]:
         """Everything that cell's numbers depend on besides the server itself."""
         # Direct-only cells keep the settings they had before routes existed: adding the gateway reruns nothing
         # until a route uses it.
@@ -291,15 +304,29 @@ class Experiment(Presentation):
         workload = self.workload(cell.mode)
         # An open-loop cell has no sessions: its rate and how requests arrive (only its settings carry them, so a
         # closed-loop cell's settings are what they were before rates existed).
-        load: dict[str, Any] = {"concurrency": cell.concurrency}
-        if cell.speedup:  # a replayed trace: its own arrivals (what the window replays is in its workload settings)
+        load: dict[str, Any] = {"concurrency": cell.sessions}
+        if isinstance(
+            cell.load, Replay
+        ):  # a replayed trace: its own arrivals (what the window replays is in its workload)
             window = workload.open_loop["open_loop"]
-            load = {"concurrency": None, "rate": cell.rate, "speedup": cell.speedup, "arrival": {"pattern": "trace"},
-                    # requests: the window's arrivals (what servegrid estimate and the Slurm time limit price)
-                    "open_loop": {"ramp_s": window["ramp_s"], "max_in_flight": window["max_in_flight"],
-                                  "requests": int(self.cell_workload(cell)["trace"]["arrivals"])}}  # fmt: skip
-        elif cell.open_loop:
-            load = {"concurrency": None, "rate": cell.rate, **{k: dict(workload.open_loop[k]) for k in OPEN_LOOP_KEYS}}
+            load = {
+                "concurrency": None,
+                "rate": cell.load.per_s,
+                "speedup": cell.load.speedup,
+                "arrival": {"pattern": "trace"},
+                # requests: the window's arrivals (what servegrid estimate and the Slurm time limit price)
+                "open_loop": {
+                    "ramp_s": window["ramp_s"],
+                    "max_in_flight": window["max_in_flight"],
+                    "requests": int(self.cell_workload(cell)["trace"]["arrivals"]),
+                },
+            }
+        elif isinstance(cell.load, Rate):
+            load = {
+                "concurrency": None,
+                "rate": cell.load.per_s,
+                **{k: dict(workload.open_loop[k]) for k in OPEN_LOOP_KEYS},
+            }
         return routes | {
             "measurement_version": MEASUREMENT_VERSION,
             "cell": cell.id,
@@ -315,11 +342,19 @@ class Experiment(Presentation):
             },
         }
 
-    def cell_workload(self, cell: Cell) -> Mapping[str, Any]:
-        """The workload settings of ``cell``: its mode's, or its trace window's (servegrid.modes.base.Mode.windows)."""
-        return self.workload(cell.mode).cell_settings(cell.window)
+    def top_up_settings(self, cell: CellSpec, round_: int) -> dict[str, Any]:
+        """A top-up's settings: its cell's, plus its round and the number of its first repeat. A top-up runs the
+        cell's measured phase again (its ``repeats``, numbered after the cell's and the earlier rounds'), so that its
+        requests never share a repeat number with the cell's."""
+        settings = self.cell_settings(cell)
+        first_repeat = int(settings["workload"].get("repeats") or 1) * round_
+        return settings | {"top_up": {"round": round_, "first_repeat": first_repeat}}
 
-    def longest_request(self, cell: Cell) -> int:
+    def cell_workload(self, cell: CellSpec) -> Mapping[str, Any]:
+        """The workload settings of ``cell``: its mode's, or its trace window's (servegrid.modes.base.Mode.windows)."""
+        return self.workload(cell.mode).cell_settings(cell.load.window if isinstance(cell.load, Replay) else "")
+
+    def longest_request(self, cell: CellSpec) -> int:
         """Prompt + output tokens of the longest request of ``cell``."""
         return modes.get(cell.mode).request_tokens(cell.context, self.cell_workload(cell))
 

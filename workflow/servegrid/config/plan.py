@@ -8,6 +8,9 @@ parsed to ``results/.plans/<id>.json`` and passes the id to its jobs in the envi
 with the environment exported, as it does for the server owner); a job with an id reads that plan instead of the
 files and logs which key was edited since. The next run sees the edit in each cell's params and measures it.
 
+A plan file carries its format: ``{"format_version": 2, "config": ...}``; format 1 (before 2026-12-06) is the bare
+config. A plan of a newer format is refused (:class:`NewerFormatError`): a newer servegrid planned that run.
+
 The config never holds a secret (config.checks refuses them: Snakemake already copies the config into each job's
 script on disk), so writing it down adds no exposure.
 """
@@ -22,9 +25,11 @@ from typing import Any
 
 from servegrid import atomic, paths
 from servegrid.config.experiment import canonical_json
-from servegrid.errors import ConfigError
+from servegrid.errors import ConfigError, NewerFormatError
 
 PLAN_ENV = "SERVEGRID_PLAN"
+# 1: the bare config (before 2026-12-06); 2: {"format_version": 2, "config": the config}.
+PLAN_FORMAT = 2
 # Set by a job's Snakemake that replays a plan whose files were edited since: the first edited key, for the job's log.
 EDITED_ENV = "SERVEGRID_PLAN_EDITED"
 
@@ -53,7 +58,7 @@ def write(config: Mapping[str, Any], root: str | Path = ".") -> str:
     identifier = plan_id(config)
     path = plan_path(identifier, root)
     if not path.exists():  # the same config planned again: already written
-        atomic.write_json_if_absent(path, json.loads(canonical_json(config)))
+        atomic.write_json_if_absent(path, {"format_version": PLAN_FORMAT, "config": json.loads(canonical_json(config))})
     return identifier
 
 
@@ -69,9 +74,23 @@ def read(identifier: str, root: str | Path = ".") -> dict[str, Any]:
         ) from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: the planned config cannot be read ({exc})") from None
+    planned = _config_of(path, planned)
     if not isinstance(planned, dict) or plan_id(planned) != identifier:
         raise ConfigError(f"{path}: does not hold the config its name says (edited by hand?); start the run again")
     return planned
+
+
+def _config_of(path: Path, content: Any) -> Any:
+    """The config a plan file of any format holds."""
+    if not isinstance(content, dict) or "format_version" not in content:
+        return content  # format 1: the bare config
+    version = content["format_version"]
+    if not isinstance(version, int) or version > PLAN_FORMAT:
+        raise NewerFormatError(
+            f"{path}: a plan of format {version}, written by a newer servegrid (this one reads formats 1 to "
+            f"{PLAN_FORMAT}): run this job with the servegrid that planned it"
+        )
+    return content.get("config")
 
 
 def first_difference(planned: Any, now: Any) -> str | None:

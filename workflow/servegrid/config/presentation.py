@@ -39,11 +39,21 @@ class Presentation:
     route: str
     report_baseline: str | None
 
-    def modes(self) -> list[str]: ...
-    def workload(self, mode: str) -> Workload: ...
-    def configuration(self, name: str) -> Configuration: ...
-    def configuration_flags(self, name: str) -> list[str]: ...
-    def gateway_identity(self) -> dict[str, Any] | None: ...
+    # The experiment's own (servegrid.config.experiment.Experiment, this class's one subclass).
+    def modes(self) -> list[str]:
+        raise NotImplementedError
+
+    def workload(self, mode: str) -> Workload:
+        raise NotImplementedError
+
+    def configuration(self, name: str) -> Configuration:
+        raise NotImplementedError
+
+    def configuration_flags(self, name: str) -> list[str]:
+        raise NotImplementedError
+
+    def gateway_identity(self) -> dict[str, Any] | None:
+        raise NotImplementedError
 
     def label(self, name: str, lang: str) -> str:
         """A configuration's label in ``lang``."""
@@ -73,10 +83,11 @@ class Presentation:
         """A replayed trace's identity, where a mode replays one (its shape is drawn from the trace itself): absent
         otherwise, so that a run without a trace keeps its params."""
         traces = {
-            m: w.settings["trace"] | ({"windows": {label: own["trace"] for label, own in w.windows.items()}}
-                                      if any(w.windows) else {})
-            for m, w in self.workloads.items() if "trace" in w.settings
-        }  # fmt: skip
+            m: w.settings["trace"]
+            | ({"windows": {label: own["trace"] for label, own in w.windows.items()}} if any(w.windows) else {})
+            for m, w in self.workloads.items()
+            if "trace" in w.settings
+        }
         return {"traces": traces} if traces else {}
 
     def presentation(self) -> dict[str, Any]:
@@ -106,6 +117,8 @@ class Presentation:
             # The section "through the gateway": its topology and the gateway's settings (no key).
             "route": self.route,
             "gateway": self.gateway_identity(),
+            # The prices the production section states (a run without a cost: section keeps its params as they were).
+            **({"cost": self.raw["cost"]} if self.raw.get("cost") is not None else {}),
         }
 
     def workload_view(self, mode: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ workload mode's own settings; validation that fills defaults and names the offen
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,15 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` merges; it is no key of its own
                 continue
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise ConfigError(
                     f"{self.name}:{key_node.start_mark.line + 1}: duplicate key '{key}' "
                     f"(first at line {seen[key]}); YAML would keep only the last one"
                 )
             seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -64,21 +65,24 @@ def _validator_with_defaults() -> type:
     base = Draft202012Validator
     validate_properties = base.VALIDATORS["properties"]
 
-    def set_defaults(validator, properties, instance, schema):  # type: ignore[no-untyped-def]
+    def set_defaults(
+        validator: Any, properties: dict[str, Any], instance: Any, schema: dict[str, Any]
+    ) -> Iterator[Any]:
         if isinstance(instance, dict):
             for name, subschema in properties.items():
                 if "default" in subschema:
                     instance.setdefault(name, copy.deepcopy(subschema["default"]))
         yield from validate_properties(validator, properties, instance, schema)
 
-    return validators.extend(
+    extended: type = validators.extend(
         base, {"properties": set_defaults}, type_checker=base.TYPE_CHECKER.redefine("integer", _integer)
     )
+    return extended
 
 
 def load_schema() -> dict[str, Any]:
     """The config schema with one ``workloads`` entry per registered mode (its module's settings)."""
-    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    schema: dict[str, Any] = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
     common = schema["$defs"]["mode_common"]
     workloads = schema["properties"]["workloads"]
     for mode in modes.registered():

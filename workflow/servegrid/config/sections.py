@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from servegrid.errors import ConfigError
@@ -20,6 +20,16 @@ def section(cls: type, data: Mapping[str, Any], **extra: Any) -> Any:
     names = {f.name for f in fields(cls)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names}
     return cls(**values, **extra)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The ``cost:`` section: an hour of one device, and optionally a kilowatt-hour, in ``currency``."""
+
+    device_per_hour: float
+    currency: str = "USD"
+    energy_per_kwh: float | None = None
+    rank_by: str = "capacity"  # what makes a production winner: capacity, or cost (servegrid.analysis.cost.rerank)
 
 
 Localized = str | Mapping[str, str]  # one text for every language, or one per language code
@@ -215,11 +225,15 @@ RULE_KEYS = ("target_rel_ci", "min_samples", "max_samples", "max_duration_s")
 
 
 def rule_fields(rule: SamplingRule | None) -> dict[str, Any] | None:
-    return None if rule is None else asdict(rule)
+    # Its fields are numbers: asdict's deep copy (75% of cell_settings' time, which the grid line and Snakemake's DAG
+    # pay for every cell: docs/scale.md) copies nothing more.
+    return None if rule is None else {f.name: getattr(rule, f.name) for f in fields(rule)}
 
 
 def sampling_rules(written: Mapping[str, Any], filled: Mapping[str, Any], enabled: list[str]) -> dict[str, Any]:
     """Each enabled mode's sequential-sampling rule (None: a fixed count), its own keys over the top-level ones.
+    Under ``sampling.policy: verdict`` a cell's own run is the first pass: it stops at ``min_samples`` (its rule's
+    ``max_samples``), and top-ups add repeats where the verdict needs them (servegrid.analysis.top_ups).
 
     ``written`` is the config as given (before defaults), so that a fixed count or time limit the user wrote
     next to sequential sampling is refused rather than silently ignored.
@@ -237,7 +251,10 @@ def sampling_rules(written: Mapping[str, Any], filled: Mapping[str, Any], enable
             rules[mode] = None
             continue
         try:
-            rules[mode] = SamplingRule(**merged)
+            rule = SamplingRule(**merged)
+            rules[mode] = (
+                replace(rule, max_samples=rule.min_samples) if filled["sampling"]["policy"] == "verdict" else rule
+            )
         except ConfigError as exc:
             raise ConfigError(f"{prefix}{exc}") from None
         as_written = (written.get("workloads") or {}).get(mode) or {}

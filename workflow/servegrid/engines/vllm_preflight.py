@@ -98,10 +98,11 @@ def static_findings(
     if not dev_mode.lstrip("-").isdigit():
         findings.append(
             EngineFinding(
-                "error", f"{DEV_MODE_VAR}={dev_mode!r}: vLLM reads it as an integer (bool(int(...))) and stops; "
-                "write \"1\"", f"env:{DEV_MODE_VAR}",
+                "error",
+                f'{DEV_MODE_VAR}={dev_mode!r}: vLLM reads it as an integer (bool(int(...))) and stops; write "1"',
+                f"env:{DEV_MODE_VAR}",
             )
-        )  # fmt: skip
+        )
     elif int(dev_mode) == 0:
         findings.append(
             EngineFinding(
@@ -206,7 +207,11 @@ def probe(
         return every(EngineFinding("error", f"the engine's interpreter {python} does not exist", "command"))
     with tempfile.TemporaryDirectory(prefix="servegrid-probe-") as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        requests = {name: {"style": style, "argv": rest, "deep": True} for name, (_, style, rest) in known.items()}
+        server_offline = {**os.environ, **env}.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+        requests = {
+            name: {"style": style, "argv": rest, "deep": True, "server_offline": server_offline}
+            for name, (_, style, rest) in known.items()
+        }
         request.write_text(json.dumps(requests), encoding="utf-8")
         probe_env = {**os.environ, **env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         try:

@@ -14,9 +14,10 @@ vLLM. Two steps, as the server takes them:
 
     python vllm_probe.py REQUEST.json RESULT.json
 
-REQUEST: ``{NAME: {"style": "serve" | "api_server", "argv": [...], "deep": true}}``, one entry per server, where
-``argv`` follows the program (``["serve", MODEL, ...]`` or ``["--model", MODEL, ...]``). RESULT: ``{NAME: {"facts":
-{...}, "findings": [{"level", "message", "flag"}], "checked": [...]}}``.
+REQUEST: ``{NAME: {"style": "serve" | "api_server", "argv": [...], "deep": true, "server_offline": false}}``, one
+entry per server, where ``argv`` follows the program (``["serve", MODEL, ...]`` or ``["--model", MODEL, ...]``) and
+``server_offline`` says whether the server itself will run with ``HF_HUB_OFFLINE`` (the probe always does).
+RESULT: ``{NAME: {"facts": {...}, "findings": [{"level", "message", "flag"}], "checked": [...]}}``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import re
 import sys
 import time
+from typing import Any, NoReturn
 
 FLAG_RE = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
 
@@ -38,7 +40,7 @@ class Refused(Exception):
 def main(request_path: str, result_path: str) -> None:
     with open(request_path, encoding="utf-8") as handle:
         requests = json.load(handle)
-    results = {name: {"facts": {}, "findings": [], "checked": []} for name in requests}
+    results: dict[str, dict[str, Any]] = {name: {"facts": {}, "findings": [], "checked": []} for name in requests}
     try:
         probe(requests, results)
     except Exception as exc:  # noqa: BLE001 - a vLLM this probe does not know: a result, never a traceback
@@ -66,8 +68,12 @@ def probe(requests: dict, results: dict) -> None:
     devices = _cuda_devices()  # the servers of one probe share their environment, so their GPUs
     for name, request in requests.items():
         result = results[name]
-        result["facts"].update(vllm_version=getattr(vllm, "__version__", "unknown"), python=sys.executable,
-                               import_s=imported_s, cuda_devices=devices)  # fmt: skip
+        result["facts"].update(
+            vllm_version=getattr(vllm, "__version__", "unknown"),
+            python=sys.executable,
+            import_s=imported_s,
+            cuda_devices=devices,
+        )
         if parser_parts is None:
             version = result["facts"]["vllm_version"]
             add(
@@ -76,7 +82,7 @@ def probe(requests: dict, results: dict) -> None:
             continue
         args = _parse(request, parser_parts, result)
         if args is not None and request.get("deep", True):
-            _engine_config(args, result)
+            _engine_config(args, result, bool(request.get("server_offline")))
 
 
 def _cuda_devices() -> list | None:
@@ -95,7 +101,7 @@ def _cuda_devices() -> list | None:
         return None
 
 
-def _parser_parts():  # type: ignore[no-untyped-def]
+def _parser_parts() -> tuple[Any, Any, Any] | None:  # vLLM's own, untyped here (no vLLM in the lint venv)
     """(FlexibleArgumentParser, make_arg_parser, validate_parsed_serve_args) where this vLLM keeps them."""
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -113,15 +119,15 @@ def _parser_parts():  # type: ignore[no-untyped-def]
     return None
 
 
-def _parse(request: dict, parts, result: dict):  # type: ignore[no-untyped-def]
+def _parse(request: dict[str, Any], parts: tuple[Any, Any, Any], result: dict[str, Any]) -> Any:
     flexible, make_arg_parser, validate = parts
 
-    class NoExit(flexible):  # type: ignore[misc,valid-type]
+    class NoExit(flexible):  # type: ignore[misc,valid-type]  # a base found at run time, in whichever vLLM
         # argparse sends every user error (unknown flag, bad type or choice) through error(), which exits.
-        def error(self, message):  # type: ignore[no-untyped-def]
+        def error(self, message: str) -> NoReturn:
             raise Refused(message)
 
-        def exit(self, status=0, message=None):  # type: ignore[no-untyped-def]
+        def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
             raise Refused(message or f"exit status {status}")
 
     argv = list(request["argv"])
@@ -161,7 +167,46 @@ class _Warnings(logging.Handler):
             self.messages.append(message)
 
 
-def _engine_config(args, result: dict) -> None:  # type: ignore[no-untyped-def]
+# What huggingface_hub raises for a file the offline cache does not hold (its classes, by name: the probe imports
+# nothing of servegrid's and only what vLLM brings).
+OFFLINE_MISSES = ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+
+
+def _offline_miss(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a file the offline cache lacks."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if any(cls.__name__ in OFFLINE_MISSES for cls in type(seen).__mro__):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _refused(exc: Exception, result: dict[str, Any], server_offline: bool) -> None:
+    """What building the engine's configuration raised, as a finding: vLLM's refusal in its words, or a warning where
+    it only lacked a file the server will download."""
+    text = " ".join(str(exc).split())
+    flags = FLAG_RE.findall(text)
+    if _offline_miss(exc) and not server_offline:
+        # The probe never downloads; the server will fetch what it lacks (issue 42: a cache holding only the
+        # config.json an earlier preflight fetched failed the preflight of a server that would have started).
+        add(
+            result,
+            "warning",
+            "the engine's configuration needs a file the offline cache does not hold, which the server will "
+            f"download ({type(exc).__name__}: {text[:300]}): unchecked until then",
+        )
+        return
+    offline = " (the servers run offline too, HF_HUB_OFFLINE: they would fail the same way)" if server_offline else ""
+    add(
+        result,
+        "error",
+        f"vLLM refuses this configuration before loading weights{offline}: {type(exc).__name__}: {text[:600]}",
+        flags[0] if flags else None,
+    )
+
+
+def _engine_config(args: Any, result: dict[str, Any], server_offline: bool) -> None:  # args: vLLM's parsed ones
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     model = str(args.model)
@@ -194,14 +239,7 @@ def _engine_config(args, result: dict) -> None:  # type: ignore[no-untyped-def]
 
         config = AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     except Exception as exc:  # noqa: BLE001 - whatever vLLM raises here is its refusal, said in its words
-        text = " ".join(str(exc).split())
-        flags = FLAG_RE.findall(text)
-        add(
-            result,
-            "error",
-            f"vLLM refuses this configuration before loading weights: {type(exc).__name__}: {text[:600]}",
-            flags[0] if flags else None,
-        )
+        _refused(exc, result, server_offline)
         return
     finally:
         logging.getLogger("vllm").removeHandler(warnings)

@@ -74,7 +74,7 @@ class ClientMonitor:
     @staticmethod
     def _cpu() -> float:
         times = psutil.Process().cpu_times()
-        return times.user + times.system
+        return float(times.user + times.system)
 
     def start(self) -> None:
         self._cpu_start, self._wall_start = self._cpu(), time.monotonic()

@@ -67,12 +67,18 @@ def check(
     findings: dict[str, Any] = {"per_chunk_usage": True, "same_text": True}
     with control_client(120.0, server_headers) as client:  # the gateway's key per request
         prompt = engine.tokenize(client, server_url, served_name, PROBE_TEXT)
-        requests = [("completion", engine.completions_path, lambda model: engine.completion_payload(
-            model, prompt, PROBE_TOKENS, 0.0))]  # fmt: skip
+        requests = [
+            (
+                "completion",
+                engine.completions_path,
+                lambda model: engine.completion_payload(model, prompt, PROBE_TOKENS, 0.0),
+            )
+        ]
         if chat:
             messages = [{"role": "user", "content": PROBE_TEXT}]
-            requests.append(("chat", engine.chat_path, lambda model: engine.chat_payload(
-                model, messages, PROBE_TOKENS, 0.0)))  # fmt: skip
+            requests.append(
+                ("chat", engine.chat_path, lambda model: engine.chat_payload(model, messages, PROBE_TOKENS, 0.0))
+            )
         for kind, path, payload in requests:
             direct = _stream(client, server_url + path, server_headers, payload(served_name))
             if direct["status"] != 200:
@@ -111,8 +117,11 @@ def _judge(kind: str, payload: dict[str, Any], direct: dict[str, Any], proxied: 
             )
         if usage.get("completion_tokens") != PROBE_TOKENS:
             # The fields the engine's payload uses to ask for an exact count (servegrid.engines), by name.
-            exact = [k for k in payload if k not in ("model", "prompt", "messages", "stream", "stream_options",
-                                                     "temperature")]  # fmt: skip
+            exact = [
+                k
+                for k in payload
+                if k not in ("model", "prompt", "messages", "stream", "stream_options", "temperature")
+            ]
             problems.append(
                 f"usage.completion_tokens {usage.get('completion_tokens')} where exactly {PROBE_TOKENS} were asked "
                 f"for: one of {exact} was dropped or changed, or the usage is the gateway's own count "

@@ -23,8 +23,10 @@ import pandas as pd
 
 from servegrid.engines.base import PrefixCache
 from servegrid.modes.primary import Primary
+from servegrid.records.cell_settings import CellSettings
 
 if TYPE_CHECKING:
+    from servegrid.load import ReplayArrivals
     from servegrid.modes.runner import MeasureHook, WorkloadContext
 
 __all__ = ["N_", "FigureSpec", "Mode", "PrefixCache", "Primary", "Runner"]
@@ -65,13 +67,16 @@ class Mode:
     schema: Mapping[str, Any]  # JSON-schema properties of this mode's own settings (with defaults)
     defaults: Mapping[str, Any]  # defaults of the settings every mode has (output_tokens, ...)
     figures: tuple[FigureSpec, ...] = ()
-    # Whether its runner measures open-loop cells (rates) too: one request per arrival (runner.measure_completions).
+    # Whether its runner measures open-loop cells (rates) too: each unit it hands the load one arrival
+    # (runner.measure_units).
     open_loop: bool = False
+    # Whether it sends through the chat endpoint, which needs the checkpoint's chat template (the preflight checks).
+    uses_chat: bool = False
     conclusion: str | None = None  # N_: the conclusion's sentence when a configuration wins this class
     summary_columns: tuple[str, ...] = ()  # extra summary columns (None for other modes' cells)
     partial: str | None = None  # an extra report template section (report/templates/modes/...)
     summarize: Callable[[pd.DataFrame, pd.DataFrame], dict[str, Any]] | None = None
-    expected_hits: Callable[[Mapping[str, Any], pd.DataFrame, PrefixCache], float] | None = None
+    expected_hits: Callable[[CellSettings, pd.DataFrame, PrefixCache], float] | None = None
     corpus_extra: Callable[[Mapping[str, Any]], int] = lambda workload: 0
     # Tokens the longest request of a cell holds at its end (prompt + output), from its context and
     # settings; None: context + corpus_extra + output_tokens.
@@ -96,9 +101,12 @@ class Mode:
     # Where the longest request of a cell's settings comes from ("the trace's request at t.jsonl:17"), for the
     # context-limit refusal; None: its context.
     longest_where: Callable[[Mapping[str, Any]], str] | None = None
+    # A replayed trace's own arrivals from a cell's workload settings (at 1x; its window's, then its drain's), which a
+    # replay load (servegrid.load.strategies.ReplayStrategy) paces at the cell's speedup. None: nothing to replay.
+    arrivals: Callable[[Mapping[str, Any]], ReplayArrivals] | None = None
 
     def expected_hit_rate(
-        self, prefix_caching: bool, settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache
+        self, prefix_caching: bool, settings: CellSettings, measured: pd.DataFrame, cache: PrefixCache
     ) -> float:
         """The prefix-cache hit rate this mode should produce over ``measured``: 0 without prefix caching."""
         if not prefix_caching or measured.empty or self.expected_hits is None:
@@ -113,7 +121,8 @@ class Mode:
         """Prompt + output tokens of the cell's longest request: what must fit the server's context limit."""
         if self.longest_request is not None:
             return self.longest_request(context, workload)
-        return context + self.corpus_extra(workload) + workload["output_tokens"]
+        tokens: int = context + self.corpus_extra(workload) + workload["output_tokens"]
+        return tokens
 
     def requests_of_unit(self, context: int, workload: Mapping[str, Any]) -> tuple[tuple[int, int, int], ...]:
         """(prompt tokens, cacheable prefix tokens, output tokens) of each request of one unit (see unit_requests)."""
@@ -121,7 +130,7 @@ class Mode:
             return self.unit_requests(context, workload)
         return ((context + self.corpus_extra(workload), 0, workload["output_tokens"]),)
 
-    def corpus_tokens(self, settings: Mapping[str, Any]) -> int:
+    def corpus_tokens(self, settings: CellSettings) -> int:
         """Tokens of prompt text a cell needs: its longest request plus headroom."""
-        longest = settings["context"] + self.corpus_extra(settings["workload"])
+        longest: int = settings.context + self.corpus_extra(settings.workload)
         return min(max(longest + 512, 4096), 200_000)

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
 
-from servegrid.modes import open_loop
+from servegrid.load import Unit, Work
 from servegrid.modes.base import N_, FigureSpec, Mode, PrefixCache, Primary
 from servegrid.modes.registry import register
-from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_in_stages
+from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_units
+from servegrid.records.cell_settings import CellSettings
 from servegrid.stats import intervals
 
 
@@ -49,31 +49,55 @@ def exact_chat_message(
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
-    w = ctx.workload
-    turns, per_turn, out_tokens = w["turns"], w["tokens_per_turn"], w["output_tokens"]
-    follow_up_tokens = max(1, per_turn - out_tokens)
+    talk = _Conversations(ctx)
+    warmup_conversations = [talk.conversation(f"warmup {i}") for i in range(ctx.workload["warmup_requests"])]
+    for i, (opening, later) in enumerate(warmup_conversations):
+        await talk.converse(0, i, "warmup", opening, later, time.monotonic_ns())
 
-    def first_message(label: str) -> str:
-        return exact_chat_message(ctx, [], ctx.context, label)[0]
+    async def send(unit: Unit, conversation: tuple[str, list[str]], intended_ns: int) -> int:
+        # In open loop each later turn after its think time (ctx.load.think_times_s); in closed loop, at once.
+        think_s = ctx.load.think_times_s(unit.seq, talk.turns - 1)
+        return await talk.converse(unit.session, unit.seq, unit.phase, *conversation, intended_ns, think_s)
 
-    def follow_ups(label: str) -> list[str]:
-        return [ctx.detokenize(ctx.builder.unique(follow_up_tokens, f"{label} turn {t}")) for t in range(2, turns + 1)]
+    await measure_units(ctx, measure, Work(talk.conversations, send, talk.count_prompts, talk.turns))
 
-    def conversations(units: list[tuple[int, int]]) -> list[tuple[str, list[str]]]:
-        return [(first_message(f"s{s} c{c}"), follow_ups(f"s{s} c{c}")) for s, c in units]
 
-    warmup_conversations = [
-        (first_message(f"warmup {i}"), follow_ups(f"warmup {i}")) for i in range(w["warmup_requests"])
-    ]
+class _Conversations:
+    """A cell's conversations: their first messages at the cell's context, their follow-ups, and how one is held."""
+
+    def __init__(self, ctx: WorkloadContext) -> None:
+        self.ctx = ctx
+        w = ctx.workload
+        self.turns: int = w["turns"]
+        self.follow_up_tokens: int = max(1, w["tokens_per_turn"] - w["output_tokens"])
+
+    def conversation(self, label: str) -> tuple[str, list[str]]:
+        ctx = self.ctx
+        opening = exact_chat_message(ctx, [], ctx.context, label)[0]
+        later = [
+            ctx.detokenize(ctx.builder.unique(self.follow_up_tokens, f"{label} turn {t}"))
+            for t in range(2, self.turns + 1)
+        ]
+        return opening, later
+
+    def conversations(self, units: list[tuple[int, int]]) -> list[tuple[str, list[str]]]:
+        return [self.conversation(f"s{s} c{c}") for s, c in units]
 
     async def converse(
-        session: int, seq: int, phase: str, opening: str, later: list[str], intended_ns: int,
+        self,
+        session: int,
+        seq: int,
+        phase: str,
+        opening: str,
+        later: list[str],
+        intended_ns: int,
         think_s: list[float] | None = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """One conversation; ``think_s``: in open loop, the user's pause before each later turn (its send is due
         then, whatever else is in flight)."""
+        ctx = self.ctx
         messages = [{"role": "user", "content": opening}]
-        for turn in range(1, turns + 1):
+        for turn in range(1, self.turns + 1):
             if turn > 1:
                 messages.append({"role": "user", "content": later[turn - 2]})
                 if think_s:
@@ -88,32 +112,15 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
             messages.append({"role": "assistant", "content": record.text})
         return intended_ns
 
-    for i, (opening, later) in enumerate(warmup_conversations):
-        await converse(0, i, "warmup", opening, later, time.monotonic_ns())
-
-    async def measured(s: int, c: int, conversation: tuple[str, list[str]], intended_ns: int) -> int:
-        return await converse(s, c, "measured", *conversation, intended_ns)
-
-    def count_prompts() -> None:
+    def count_prompts(self) -> None:
         # What each turn asked for, measured with the server's template after its stage, so that no
         # tokenizer round-trip sits between the turns that are timed (and the stage's samples are judged valid).
-        for record in ctx.records:
+        for record in self.ctx.records:
             if record.messages is not None and not record.prompt_tokens_requested:
-                record.prompt_tokens_requested = ctx.chat_prompt_tokens(record.messages)
-
-    if ctx.open_loop is not None:  # conversations arrive at the rate; each later turn after its think time
-        load = ctx.open_loop
-
-        async def arrives(index: int, phase: str, conversation: tuple[str, list[str]], due_ns: int) -> None:
-            await converse(0, index, phase, *conversation, due_ns, load.think_times_s(index, turns - 1))
-
-        ctx.open_outcome = await open_loop.measure(ctx, measure, conversations, load, arrives)
-        count_prompts()
-        return
-    await measure_in_stages(ctx, measure, conversations, measured, settle=count_prompts)
+                record.prompt_tokens_requested = self.ctx.chat_prompt_tokens(record.messages)
 
 
-def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
+def expected_hits(settings: CellSettings, measured: pd.DataFrame, cache: PrefixCache) -> float:
     """Each turn finds an earlier turn's prompt cached, in the whole blocks the server reuses (PrefixCache; the
     reply may add a little more, which makes the measured rate at least this): the previous turn's, or, where
     the cache needs a prefix carried twice (``cache.sightings``: a hybrid model's "align" mode, whose recurrent
@@ -146,6 +153,7 @@ MODE = register(
     Mode(
         name="multi_turn",
         run=run,
+        uses_chat=True,
         primary=Primary(
             "ttft_s",
             higher_is_better=False,

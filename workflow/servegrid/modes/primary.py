@@ -6,11 +6,17 @@ declarations name it, and neither imports the other.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
+
+
+class Columns(Protocol):
+    """Columns by name: a DataFrame, a mapping of numpy arrays, or one cell's rows
+    (servegrid.analysis.cell_rows.CellRows)."""
+
+    def __getitem__(self, column: str, /) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,7 @@ class Primary:
     def metric(self) -> str:
         return self.column if self.turn is None else f"{self.column}@turn{self.turn}"
 
-    def mask(self, requests: Mapping[str, Any]) -> Any:
+    def mask(self, requests: Columns) -> Any:
         """Which requests this figure's samples come from: measured, valid, of its turn (columns of
         servegrid.records.per_request.derive's table, as a DataFrame or as numpy arrays). The summary, the verdict and
         sequential sampling all count these, and only these."""

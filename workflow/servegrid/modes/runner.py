@@ -1,22 +1,18 @@
-"""What a mode's runner drives: the :class:`WorkloadContext` of one cell, and the closed-loop sessions in stages.
+"""What a mode's runner drives: the :class:`WorkloadContext` of one cell, and its units of work handed to the load.
 
 The runner sends through a :class:`Sender` it declares (the measuring layer's streaming client implements
-it), so the modes never import the client or aiohttp. A stage's progress line is written here, beside the
-loop that knows its requests.
+it), so the modes never import the client or aiohttp. When the measured units go out is the cell's load strategy's
+(:mod:`servegrid.load`): a mode hands it a :class:`~servegrid.load.Work` (:func:`measure_units`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
-from servegrid import progress
-from servegrid.modes import open_loop
-from servegrid.modes.open_loop import OpenLoop, OpenLoopOutcome
+from servegrid.load import LoadStrategy, MeasureHook, OpenLoopOutcome, StagePlan, Unit, Work
 from servegrid.records.request import RequestRecord
 
 if TYPE_CHECKING:
@@ -24,12 +20,8 @@ if TYPE_CHECKING:
 
     from servegrid.engines import Engine
     from servegrid.modes.prompts import PromptBuilder
-    from servegrid.modes.stages import StagePlan
 
-MeasureHook = Callable[[], Awaitable[None]]
-Content = TypeVar("Content")
-
-log = logging.getLogger(__name__)
+__all__ = ["MeasureHook", "Sender", "WorkloadContext", "measure_completions", "measure_units", "send_one_by_one"]
 
 
 class Sender(Protocol):
@@ -52,8 +44,7 @@ class WorkloadContext:
 
     mode: str
     context: int
-    concurrency: int
-    workload: dict[str, Any]
+    workload: Mapping[str, Any]
     temperature: float
     model: str
     engine: Engine
@@ -62,6 +53,7 @@ class WorkloadContext:
     sync_client: httpx.Client
     url: str
     plan: StagePlan
+    load: LoadStrategy  # when the measured units go out: the cell's load (servegrid.load.for_cell)
     records: list[RequestRecord] = field(default_factory=list)
     # Around the pause after a stage (streams decoded, samples judged, the next prompts built; nothing in
     # flight): the cell stops and restarts what watches the client's timing, which that work would skew.
@@ -69,15 +61,18 @@ class WorkloadContext:
     resume_timing: MeasureHook = _no_pause
     measuring_since_ns: int | None = None  # set when the measured phase begins
     server_model: str = ""  # the server's name for control calls (tokenizer); ``model``: the gateway's, if any
-    # An open-loop cell's load (None: closed-loop sessions) and, once measured, what its run was.
-    open_loop: OpenLoop | None = None
-    open_outcome: OpenLoopOutcome | None = None
-    speedup: float = 1.0  # a trace cell's: how much faster than the trace its requests are due
+    open_outcome: OpenLoopOutcome | None = None  # an open-loop cell's run, once measured (None: closed loop)
 
     def new_record(
-        self, session: int, seq: int, phase: str, prompt_tokens: int, turn: int = 1, label: str = "",
+        self,
+        session: int,
+        seq: int,
+        phase: str,
+        prompt_tokens: int,
+        turn: int = 1,
+        label: str = "",
         output_tokens: int | None = None,
-    ) -> RequestRecord:  # fmt: skip
+    ) -> RequestRecord:
         record = RequestRecord(
             request_id=label or f"{phase}-s{session}-r{seq}-t{turn}",
             session=session,
@@ -136,104 +131,20 @@ async def send_one_by_one(
         await ctx.complete(record, prompt)
 
 
-async def measure_in_stages(
-    ctx: WorkloadContext,
-    measure: MeasureHook,
-    prepare: Callable[[list[tuple[int, int]]], Sequence[Content]],
-    send: Callable[[int, int, Content, int], Awaitable[int]],
-    settle: Callable[[], None] = lambda: None,
-) -> None:
-    """The measured phase: closed-loop sessions, in the stages ``ctx.plan`` sets (servegrid.modes.stages).
-
-    ``prepare(units)`` builds the content of each ``(session, index)`` unit of a stage before it starts
-    (synchronously: it may ask the server's tokenizer, so nothing may be in flight); ``send(session, index,
-    content, intended_ns)`` runs one unit and returns when the session wanted to send its next one (the
-    reply's end). Sessions of a stage start at one instant; the next stage starts once all are done,
-    after the streams are decoded, ``settle()`` has completed the records (what is not measured while
-    streams are in flight) and the samples are judged.
-    """
-    done = 0
-
-    def units(rounds: int) -> list[tuple[int, int]]:
-        return [(s, i) for s in range(ctx.concurrency) for i in range(done, done + rounds)]
-
-    rounds = ctx.plan.next_rounds(ctx.records, 0.0)
-    contents = prepare(units(rounds))
-    await measure()
-    ctx.measuring_since_ns = time.monotonic_ns()
-    while rounds:
-        by_session = [contents[s * rounds : (s + 1) * rounds] for s in range(ctx.concurrency)]
-
-        async def session(
-            s: int, start_ns: int, first: int = done, stage: list[Sequence[Content]] = by_session
-        ) -> None:
-            intended = start_ns
-            for i, content in enumerate(stage[s]):
-                if not ctx.may_start():
-                    break
-                intended = await send(s, first + i, content, intended)
-
-        ctx.plan.stage_started(ctx.elapsed_s())
-        planned = rounds * ctx.concurrency * int(ctx.workload.get("turns", 1))  # requests, every turn counted
-        ticker = asyncio.create_task(stage_ticker(ctx, len(ctx.plan.stages), planned, len(ctx.records)))
-        try:
-            await run_sessions(ctx, session)
-        finally:
-            ticker.cancel()
-        ctx.plan.stage_ended(ctx.elapsed_s())
-        done += rounds
-        await ctx.pause_timing()
-        ctx.streamer.decode_pending()  # nothing is in flight: decoding delays no timestamp
-        settle()
-        rounds = ctx.plan.next_rounds(ctx.records, ctx.elapsed_s())
-        if rounds and ctx.may_start():
-            contents = prepare(units(rounds))
-            await ctx.resume_timing()
-        elif rounds:  # time is up while judging: the planned stage would send nothing
-            ctx.plan.time_up()
-            rounds = 0
-
-
-async def stage_ticker(ctx: WorkloadContext, stage: int, planned: int, first: int) -> None:
-    """Every few seconds while a stage runs: its requests done of planned, time measured, and an ETA (the
-    stage's pace, or the cell's time limit if that comes first)."""
-    started = ctx.elapsed_s()
-    while True:
-        await asyncio.sleep(progress.INTERVAL_S)
-        done = sum(1 for r in ctx.records[first:] if r.phase == "measured" and r.end_ns is not None)
-        elapsed = ctx.elapsed_s()
-        eta = (elapsed - started) / done * (planned - done) if done else float("inf")
-        if ctx.plan.time_limit_s is not None:
-            eta = min(eta, max(0.0, ctx.plan.time_limit_s - elapsed))
-        shown = "unknown" if eta == float("inf") else f"about {progress.duration(eta)}"
-        log.info(
-            "cell %s: stage %d: %d of %d requests done, %s measured; stage ETA %s",
-            ctx.plan.label, stage, done, planned, progress.duration(elapsed), shown,
-        )  # fmt: skip
-
-
-async def run_sessions(ctx: WorkloadContext, body: Callable[[int, int], Awaitable[None]]) -> None:
-    """Run ``concurrency`` closed-loop sessions that start at one instant.
-
-    ``body(session, start_ns)`` sends that session's requests back to back.
-    """
-    start_ns = time.monotonic_ns()
-    await asyncio.gather(*(body(s, start_ns) for s in range(ctx.concurrency)))
+async def measure_units(ctx: WorkloadContext, measure: MeasureHook, work: Work[Any]) -> None:
+    """The measured phase: ``work``'s units, each sent when the cell's load says (servegrid.load.strategies)."""
+    ctx.open_outcome = await ctx.load.run(ctx, measure, work)
 
 
 async def measure_completions(
     ctx: WorkloadContext, measure: MeasureHook, prompt_of: Callable[[list[tuple[int, int]]], Sequence[list[int]]]
 ) -> None:
-    """The measured phase of a completion mode: each unit is one prompt, sent back to back per session; in an
-    open-loop cell, one per arrival at its due time (servegrid.modes.open_loop)."""
-    if ctx.open_loop is not None:
-        ctx.open_outcome = await open_loop.measure(ctx, measure, prompt_of, ctx.open_loop)
-        return
+    """The measured phase of a completion mode: each unit is one prompt, one completion."""
 
-    async def send(s: int, i: int, prompt: list[int], intended_ns: int) -> int:
-        record = ctx.new_record(s, i, "measured", len(prompt))
+    async def send(unit: Unit, prompt: list[int], intended_ns: int) -> int:
+        record = ctx.new_record(unit.session, unit.seq, unit.phase, len(prompt))
         record.intended_send_ns = intended_ns
         await ctx.complete(record, prompt)
         return record.end_ns or time.monotonic_ns()
 
-    await measure_in_stages(ctx, measure, prompt_of, send)
+    await measure_units(ctx, measure, Work(prompt_of, send))

@@ -8,7 +8,6 @@ request" figure). Primary figure: TTFT p50.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
@@ -16,6 +15,7 @@ import pandas as pd
 from servegrid.modes.base import N_, FigureSpec, Mode, PrefixCache, Primary
 from servegrid.modes.registry import register
 from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_completions, send_one_by_one
+from servegrid.records.cell_settings import CellSettings
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
@@ -38,14 +38,14 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     await measure_completions(ctx, measure, shared)
 
 
-def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
+def expected_hits(settings: CellSettings, measured: pd.DataFrame, cache: PrefixCache) -> float:
     """The shared prefix in the whole blocks the server reuses (PrefixCache), over prefix + suffix; where the
     warm-up carried the prefix fewer times than the cache needs (``cache.sightings``), the first rounds of
     measured requests (one request per session, sent together) miss it."""
-    prefix = settings["context"]
-    per_request = cache.hit_tokens(prefix) / (prefix + settings["workload"]["suffix_tokens"])
-    rounds_missing = max(cache.sightings - settings["workload"]["warmup_requests"], 0)
-    missing = min(len(measured), rounds_missing * (settings["concurrency"] or 1))  # open loop: one at a time
+    prefix = settings.context
+    per_request = cache.hit_tokens(prefix) / (prefix + settings.workload["suffix_tokens"])
+    rounds_missing = max(cache.sightings - settings.workload["warmup_requests"], 0)
+    missing = min(len(measured), rounds_missing * (settings.sessions or 1))  # open loop: one at a time
     return per_request * (len(measured) - missing) / len(measured) if len(measured) else 0.0
 
 

@@ -1,15 +1,15 @@
 """trace: a request trace replayed on its own schedule, token-exact and prefix-exact.
 
-The trace (servegrid.modes.trace_file: Mooncake JSONL or CSV, or the seeded generator) gives every arrival's
-time, prompt and output length and which fixed-size blocks of its prompt it shares with other requests
-(``hash_ids``). Each block id becomes one block of exactly ``block_tokens`` tokens, the same wherever it appears in
-the cell run (servegrid.modes.trace_prompts), so requests that share ids in the trace share exactly those tokens on
-the wire, and the server's prefix cache sees the trace's own reuse. A session's turns go in order, each after the
-previous answer plus its delay; outputs are exact, as in every mode. Arrivals go out at their due times whatever the
-server does (servegrid.modes.open_loop), ``speedup`` times as fast as the trace. Two grid axes: the speedups and the
-trace's ``windows`` (``ctx0_x2``: the whole trace at 2x; ``ctx0_x2_w600+300``: from 600 s for 300 s; a trace cell has
-no context of its own, the trace gives every length). After a window's arrivals come the trace's next ones, the
-drain, so the window's last requests meet the trace's own load. Primary figure: TTFT p50.
+The trace (servegrid.modes.trace_file: Mooncake JSONL or CSV, or the seeded generator) gives every arrival's time,
+prompt and output length and which fixed-size blocks of its prompt it shares with other requests (``hash_ids``). Each
+block id becomes one block of exactly ``block_tokens`` tokens, the same wherever it appears in the cell run
+(servegrid.modes.trace_prompts), so requests that share ids in the trace share exactly those tokens on the wire, and the
+server's prefix cache sees the trace's own reuse. A session's turns go in order, each after the previous answer plus its
+delay; outputs are exact, as in every mode. Arrivals go out at their due times whatever the server does
+(servegrid.load.strategies.ReplayStrategy), ``speedup`` times as fast as the trace. Two grid axes: the speedups and the
+trace's ``windows`` (``ctx0_x2``: the whole trace at 2x; ``ctx0_x2_w600+300``: from 600 s for 300 s; a trace cell has no
+context of its own, the trace gives every length). After a window's arrivals come the trace's next ones, the drain, so
+the window's last requests meet the trace's own load. Primary figure: TTFT p50.
 """
 
 from __future__ import annotations
@@ -23,19 +23,21 @@ from typing import Any
 import pandas as pd
 
 from servegrid.errors import ConfigError
-from servegrid.modes import open_loop, trace_source
+from servegrid.load import ReplayArrivals, ReplayStrategy, Unit, Work
+from servegrid.modes import trace_source
 from servegrid.modes.base import N_, FigureSpec, Mode, PrefixCache, Primary
 from servegrid.modes.registry import register
-from servegrid.modes.runner import MeasureHook, WorkloadContext, send_one_by_one
+from servegrid.modes.runner import MeasureHook, WorkloadContext, measure_units, send_one_by_one
 from servegrid.modes.trace_file import Trace
 from servegrid.modes.trace_prompts import ArrivalPrompts, BlockPrompts
+from servegrid.records.cell_settings import CellSettings
 
 
 async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     replay = trace_source.replayed(ctx.workload)
     trace = replay.sent  # the window's arrivals, then the drain's
-    load = ctx.open_loop
-    if load is None:
+    load = ctx.load
+    if not isinstance(load, ReplayStrategy):
         raise ValueError("a trace cell is an open-loop cell (its load is a speedup)")
     prompts = BlockPrompts(ctx.builder, trace.block_tokens)
     # Warm-up: cold prompts of the trace's median length, none of them a trace block, so the cache holds nothing
@@ -48,28 +50,38 @@ async def run(ctx: WorkloadContext, measure: MeasureHook) -> None:
     def prepare(units: list[tuple[int, int]]) -> ArrivalPrompts:
         return ArrivalPrompts(trace, prompts, [i for _, i in units])
 
-    async def arrives(index: int, phase: str, turn_prompts: list[list[int]], due_ns: int) -> None:
+    async def arrives(unit: Unit, turn_prompts: list[list[int]], due_ns: int) -> int:
         """One arrival: a request, or a session's turns one after another (each due at its own timestamp or its
-        delay after the previous answer, at the cell's speedup, and never before that answer)."""
+        delay after the previous answer, at the load's pace, and never before that answer)."""
         intended = due_ns
         previous = None
+        index = unit.seq
         for number, (request, prompt) in enumerate(zip(trace.conversations[index].turns, turn_prompts, strict=True)):
             if previous is not None:
                 answered = previous.end_ns or time.monotonic_ns()
                 if request.delay_ms is not None:
-                    intended = answered + int(request.delay_ms / ctx.speedup * 1e6)
+                    intended = answered + load.at_pace_ns(request.delay_ms)
                 else:
                     since = ctx.measuring_since_ns or answered
-                    intended = max(answered, since + int(((request.timestamp_ms or 0) - first_ms) / ctx.speedup * 1e6))
+                    intended = max(answered, since + load.at_pace_ns((request.timestamp_ms or 0) - first_ms))
                 await asyncio.sleep(max(0.0, (intended - time.monotonic_ns()) / 1e9))
-            record = ctx.new_record(0, index, phase, len(prompt), turn=number + 1, output_tokens=request.output_tokens)
+            record = ctx.new_record(
+                unit.session, index, unit.phase, len(prompt), turn=number + 1, output_tokens=request.output_tokens
+            )
             record.intended_send_ns = intended
             await ctx.complete(record, prompt)
             if record.error:  # the conversation cannot go on without its answer
-                return
+                break
             previous = record
+        return intended
 
-    ctx.open_outcome = await open_loop.measure(ctx, measure, prepare, load, arrives)
+    await measure_units(ctx, measure, Work(prepare, arrives))
+
+
+def arrivals(settings: Mapping[str, Any]) -> ReplayArrivals:
+    """What a cell replays, as its load paces it: every arrival's time at 1x (its window's, then its drain's)."""
+    replay = trace_source.replayed(settings)
+    return ReplayArrivals(tuple(replay.sent.due_offsets_s(1.0)), len(replay.window.conversations))
 
 
 def reusable_tokens(trace: Trace, cache: PrefixCache) -> dict[tuple[int, int], int]:
@@ -80,10 +92,13 @@ def reusable_tokens(trace: Trace, cache: PrefixCache) -> dict[tuple[int, int], i
     seen: dict[tuple[int, ...], tuple[int, int]] = {}  # prefix of ids -> (longest prompt carrying it, times seen)
     out: dict[tuple[int, int], int] = {}
     order = sorted(
-        ((c.arrival_ms, index, turn, request) for index, c in enumerate(trace.conversations)
-         for turn, request in enumerate(c.turns, start=1)),
+        (
+            (c.arrival_ms, index, turn, request)
+            for index, c in enumerate(trace.conversations)
+            for turn, request in enumerate(c.turns, start=1)
+        ),
         key=lambda item: (item[0], item[1], item[2]),
-    )  # fmt: skip
+    )
     block = trace.block_tokens
     for _, index, turn, request in order:
         shared = 0
@@ -100,10 +115,10 @@ def reusable_tokens(trace: Trace, cache: PrefixCache) -> dict[tuple[int, int], i
     return out
 
 
-def expected_hits(settings: Mapping[str, Any], measured: pd.DataFrame, cache: PrefixCache) -> float:
+def expected_hits(settings: CellSettings, measured: pd.DataFrame, cache: PrefixCache) -> float:
     """The trace's own reuse over the measured requests (:func:`reusable_tokens`). An upper bound where requests
     sharing a prefix overlap in time: a block is cached once its computation is done."""
-    reusable = reusable_tokens(trace_source.replayed(settings["workload"]).sent, cache)
+    reusable = reusable_tokens(trace_source.replayed(settings.workload).sent, cache)
     hits = sum(reusable.get((int(r.seq), int(r.turn)), 0) for r in measured.itertuples())
     total = float(measured["prompt_tokens_reported"].astype(float).sum())
     return hits / total if total else 0.0
@@ -144,8 +159,12 @@ def median_request(trace: Trace) -> tuple[int, int, int]:
 
 def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
     trace = trace_source.whole(settings)
-    return {"requests": len(trace.requests), "arrivals": len(trace.conversations), "span": round(trace.span_s),
-            "block": trace.block_tokens}  # fmt: skip
+    return {
+        "requests": len(trace.requests),
+        "arrivals": len(trace.conversations),
+        "span": round(trace.span_s),
+        "block": trace.block_tokens,
+    }
 
 
 GENERATE_SCHEMA = {
@@ -257,5 +276,6 @@ MODE = register(
         resolve=resolve,
         windows=windows,
         longest_where=where_longest,
+        arrivals=arrivals,
     )
 )

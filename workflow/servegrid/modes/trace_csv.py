@@ -21,9 +21,11 @@ def parse_csv(path: Path, block_tokens: int) -> Trace:
         missing = [c for c in CSV_REQUIRED if c not in header]
         unknown = [c for c in header if c not in (*CSV_REQUIRED, *CSV_OPTIONAL)]
         if missing or unknown:
-            raise ConfigError(f"{path}:1: header {','.join(header)!r}: "
-                              + (f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(unknown)}")
-                              + f" (columns: {', '.join(CSV_REQUIRED)}[, {', '.join(CSV_OPTIONAL)}])")  # fmt: skip
+            raise ConfigError(
+                f"{path}:1: header {','.join(header)!r}: "
+                + (f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(unknown)}")
+                + f" (columns: {', '.join(CSV_REQUIRED)}[, {', '.join(CSV_OPTIONAL)}])"
+            )
         rows: list[tuple[int, dict[str, str]]] = []
         for row in reader:
             row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
@@ -45,18 +47,24 @@ def _csv_requests(path: Path, rows: list[tuple[int, dict[str, str]]], block: int
     for line, row in rows:
         where = f"{path}:{line}"
         stated = row.get("prefix_tokens") or None
-        parsed.append((
-            line, milliseconds(_number(row["timestamp"], "timestamp", where), "timestamp", where) or 0.0,
-            positive_int(_number(row["input_tokens"], "input_tokens", where), "input_tokens", where),
-            positive_int(_number(row["output_tokens"], "output_tokens", where), "output_tokens", where),
-            row.get("session") or None, row.get("prefix_group") or None,
-            None if stated is None else positive_int(_number(stated, "prefix_tokens", where), "prefix_tokens", where),
-        ))  # fmt: skip
+        parsed.append(
+            (
+                line,
+                milliseconds(_number(row["timestamp"], "timestamp", where), "timestamp", where) or 0.0,
+                positive_int(_number(row["input_tokens"], "input_tokens", where), "input_tokens", where),
+                positive_int(_number(row["output_tokens"], "output_tokens", where), "output_tokens", where),
+                row.get("session") or None,
+                row.get("prefix_group") or None,
+                None
+                if stated is None
+                else positive_int(_number(stated, "prefix_tokens", where), "prefix_tokens", where),
+            )
+        )
     shared_of: dict[str, int] = {}
-    for _, _, _, _, _, group, stated in parsed:
+    for _, _, _, _, _, group, prefix in parsed:
         if group is not None:
-            if stated is not None:
-                shared_of[group] = stated
+            if prefix is not None:
+                shared_of[group] = prefix
             elif group not in shared_of:
                 shortest = min(p[2] for p in parsed if p[5] == group)
                 shared_of[group] = shortest // block * block

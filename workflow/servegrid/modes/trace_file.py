@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from servegrid.errors import ConfigError
-from servegrid.modes.arrivals import rate_label
+from servegrid.records.cell_spec import rate_label
 
 FORMATS = ("auto", "mooncake", "csv")
 
@@ -116,8 +116,11 @@ class Trace:
         """The requests' content (not the file's bytes, nor its path): what a trace cell's identity holds."""
         digest = hashlib.sha256(f"block_tokens={self.block_tokens}\n".encode())
         for r in self.requests:
-            digest.update(json.dumps([r.timestamp_ms, r.input_tokens, r.output_tokens, r.hash_ids, r.session,
-                                      r.delay_ms]).encode())  # fmt: skip
+            digest.update(
+                json.dumps(
+                    [r.timestamp_ms, r.input_tokens, r.output_tokens, r.hash_ids, r.session, r.delay_ms]
+                ).encode()
+            )
         return digest.hexdigest()[:16]
 
     @property
@@ -187,8 +190,11 @@ class Replay:
     @functools.cached_property
     def sha256(self) -> str:
         """The window's requests and the drain's: both shape what the cell measures."""
-        return self.window.sha256 if not self.drain else hashlib.sha256(
-            f"{self.window.sha256}/{self.sent.sha256}".encode()).hexdigest()[:16]  # fmt: skip
+        return (
+            self.window.sha256
+            if not self.drain
+            else hashlib.sha256(f"{self.window.sha256}/{self.sent.sha256}".encode()).hexdigest()[:16]
+        )
 
 
 def _group(source: str, requests: list[TraceRequest]) -> tuple[Conversation, ...]:
@@ -251,16 +257,18 @@ def parse_mooncake(path: Path, block_tokens: int) -> Trace:
 
 def from_rows(rows: Iterable[tuple[int, Any]], block_tokens: int, source: str) -> Trace:
     """A trace of Mooncake records (``(line, object)`` pairs: a file's, or the generator's)."""
-    return trace_of(Path(source), block_tokens, [_mooncake_request(f"{source}:{n}", n, row, block_tokens)
-                                                for n, row in rows])  # fmt: skip
+    return trace_of(
+        Path(source), block_tokens, [_mooncake_request(f"{source}:{n}", n, row, block_tokens) for n, row in rows]
+    )
 
 
 def _mooncake_request(where: str, number: int, row: Any, block_tokens: int) -> TraceRequest:
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     if "text_input" in row:
-        raise ConfigError(f"{where}: text_input is not replayed (servegrid builds token-exact prompts from "
-                          "input_length and hash_ids)")  # fmt: skip
+        raise ConfigError(
+            f"{where}: text_input is not replayed (servegrid builds token-exact prompts from input_length and hash_ids)"
+        )
     for key in ("input_length", "hash_ids"):
         if key not in row:
             raise ConfigError(f"{where}: no {key}")
@@ -277,8 +285,9 @@ def _mooncake_request(where: str, number: int, row: Any, block_tokens: int) -> T
     if timestamp is None and (session is None or delay is None):
         raise ConfigError(f"{where}: no timestamp (only a session's later turn may give a delay instead)")
     output_tokens = positive_int(row.get("output_length", 1), "output_length", where)
-    return TraceRequest(number, timestamp, input_tokens, output_tokens, tuple(ids),
-                        None if session is None else str(session), delay)  # fmt: skip
+    return TraceRequest(
+        number, timestamp, input_tokens, output_tokens, tuple(ids), None if session is None else str(session), delay
+    )
 
 
 def trace_of(path: Path, block_tokens: int, requests: list[TraceRequest]) -> Trace:

@@ -1,6 +1,6 @@
 """A seeded, realistic trace for the demo and the tests, made offline (Mooncake records).
 
-Bursty arrivals (gamma gaps of shape ``burstiness`` < 1, as servegrid.modes.arrivals draws them), long-tailed
+Bursty arrivals (gamma gaps of shape ``burstiness`` < 1, as servegrid.load.arrivals draws them), long-tailed
 prompt and output lengths (log-normal, clipped), a few shared system prompts (whole blocks that many requests
 start with, as a product's system prompt is) and multi-turn sessions, whose later turns start with the previous
 turn's whole prompt blocks and arrive a think time after the previous answer (``delay``). Same settings, same
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from servegrid.modes.arrivals import Arrival, due_offsets_s
+from servegrid.load.arrivals import Arrival, due_offsets_s
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,12 @@ def generate(shape: TraceShape, block_tokens: int) -> list[dict[str, Any]]:
         tokens = min(len(head) * block_tokens + user, shape.max_input)
         output = lognormal(shape.output_median, shape.output_sigma, 1, shape.max_output)
         is_session = rng.random() < shape.session_share
-        row: dict[str, Any] = {"timestamp": at_ms, "input_length": tokens, "output_length": output,
-                               "hash_ids": blocks_for(tokens, head)}  # fmt: skip
+        row: dict[str, Any] = {
+            "timestamp": at_ms,
+            "input_length": tokens,
+            "output_length": output,
+            "hash_ids": blocks_for(tokens, head),
+        }
         if is_session:
             row["session_id"] = f"s{index}"
         rows.append(row)
@@ -87,16 +91,19 @@ def generate(shape: TraceShape, block_tokens: int) -> list[dict[str, Any]]:
         for _ in range(int(rng.integers(2, shape.max_turns + 1)) - 1):
             previous = rows[-1]
             carried = previous["hash_ids"][: previous["input_length"] // block_tokens]
-            added = previous["output_length"] + lognormal(shape.input_median // 2, shape.input_sigma, 1,
-                                                          shape.max_input)  # fmt: skip
+            added = previous["output_length"] + lognormal(
+                shape.input_median // 2, shape.input_sigma, 1, shape.max_input
+            )
             tokens = min(previous["input_length"] + added, shape.max_input)
             if tokens <= previous["input_length"]:  # the conversation would no longer fit: it ends here
                 break
-            rows.append({
-                "session_id": row["session_id"],
-                "delay": round(float(rng.exponential(shape.think_mean_s)) * 1000),
-                "input_length": tokens,
-                "output_length": lognormal(shape.output_median, shape.output_sigma, 1, shape.max_output),
-                "hash_ids": blocks_for(tokens, list(carried)),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "session_id": row["session_id"],
+                    "delay": round(float(rng.exponential(shape.think_mean_s)) * 1000),
+                    "input_length": tokens,
+                    "output_length": lognormal(shape.output_median, shape.output_sigma, 1, shape.max_output),
+                    "hash_ids": blocks_for(tokens, list(carried)),
+                }
+            )
     return rows

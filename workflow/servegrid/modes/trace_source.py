@@ -67,8 +67,9 @@ def replay(workload: Mapping[str, Any], window: Window, drain_arrivals: int = 0)
 
 def replayed(workload: Mapping[str, Any]) -> Replay:
     """What a trace cell replays, from the cell's own workload settings (its ``window`` and ``drain_arrivals``,
-    which Experiment.cell_settings puts there)."""
-    return replay(workload, Window.from_settings(workload["window"]), int(workload["drain_arrivals"]))
+    which Experiment.cell_settings puts there). A cell measured before windows existed (2026-12-06) has neither:
+    it replayed the whole trace, with no drain."""
+    return replay(workload, Window.from_settings(workload.get("window") or {}), int(workload.get("drain_arrivals", 0)))
 
 
 def cell_workload(workload: Mapping[str, Any], window: Window, drain_arrivals: int) -> dict[str, Any]:
@@ -86,9 +87,14 @@ def identity(replayed: Replay | Trace) -> dict[str, Any]:
     if isinstance(replayed, Trace):
         replayed = Replay(replayed, ())
     trace = replayed.window
-    return {"sha256": replayed.sha256, "requests": len(trace.requests), "arrivals": len(trace.conversations),
-            "rate": round(trace.rate, 6), "longest_tokens": replayed.sent.longest().total_tokens,
-            "drain_arrivals": len(replayed.drain)}  # fmt: skip
+    return {
+        "sha256": replayed.sha256,
+        "requests": len(trace.requests),
+        "arrivals": len(trace.conversations),
+        "rate": round(trace.rate, 6),
+        "longest_tokens": replayed.sent.longest().total_tokens,
+        "drain_arrivals": len(replayed.drain),
+    }
 
 
 def to_jsonl(trace: Trace) -> str:
@@ -96,9 +102,14 @@ def to_jsonl(trace: Trace) -> str:
     another tool to replay the same requests."""
     lines = []
     for r in trace.requests:
-        row = {"timestamp": r.timestamp_ms, "session_id": r.session, "delay": r.delay_ms,
-               "input_length": r.input_tokens, "output_length": r.output_tokens,
-               "hash_ids": list(r.hash_ids)}  # fmt: skip
+        row: dict[str, Any] = {
+            "timestamp": r.timestamp_ms,
+            "session_id": r.session,
+            "delay": r.delay_ms,
+            "input_length": r.input_tokens,
+            "output_length": r.output_tokens,
+            "hash_ids": list(r.hash_ids),
+        }
         for key in ("timestamp", "delay"):  # whole milliseconds as integers, as Mooncake writes them
             if row[key] is not None and float(row[key]).is_integer():
                 row[key] = int(row[key])
@@ -115,10 +126,14 @@ def describe(trace: Trace) -> dict[str, Any]:
         return values[min(len(values) - 1, int(q * len(values)))]
 
     return {
-        "source": trace.source, "requests": len(trace.requests), "arrivals": len(trace.conversations),
-        "sessions": sum(1 for c in trace.conversations if len(c.turns) > 1), "span_s": round(trace.span_s, 3),
-        "rate_per_s": round(trace.rate, 4), "block_tokens": trace.block_tokens,
+        "source": trace.source,
+        "requests": len(trace.requests),
+        "arrivals": len(trace.conversations),
+        "sessions": sum(1 for c in trace.conversations if len(c.turns) > 1),
+        "span_s": round(trace.span_s, 3),
+        "rate_per_s": round(trace.rate, 4),
+        "block_tokens": trace.block_tokens,
         "prompt_tokens_p50_p99_max": [pct(prompts, 0.5), pct(prompts, 0.99), prompts[-1]],
         "output_tokens_p50_p99_max": [pct(outputs, 0.5), pct(outputs, 0.99), outputs[-1]],
         "sha256": trace.sha256,
-    }  # fmt: skip
+    }

@@ -3,6 +3,7 @@
     servegrid validate                     check the config, list the grid
     servegrid preflight [NAME ...]         what the host and your engine would refuse, before any weights load
     servegrid estimate [--cores N]         the run's device hours and wall clock, as a range
+    servegrid calibrate [NAME ...]         one short server session each: what their cells cost (estimate uses it)
     servegrid model build                  build the tiny model (model.tiny)
     servegrid server argv NAME             the exact command + environment a server gets
     servegrid server up NAME               start (or reuse) a server and keep it up
@@ -30,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from servegrid import paths
-from servegrid.config import Cell, Experiment
-from servegrid.config.grid import LOAD_PATTERN
+from servegrid.config import CellSpec, Experiment
 from servegrid.errors import ConfigError, guarded
 from servegrid.paths import RunTables
 from servegrid.pipeline import cli_planning, logging_setup
+from servegrid.records.cell_spec import LOAD_PATTERN
 from servegrid.serving import procs, server
 
 CELL_RE = re.compile(rf"^(?P<configuration>[^/]+)/(?P<mode>[^/]+)/ctx(?P<context>\d+)_(?P<load>{LOAD_PATTERN})$")
@@ -44,7 +45,7 @@ def _runtime(experiment: Experiment, name: str) -> server.Runtime:
     return server.Runtime.from_config(experiment.operations, experiment.configuration(name))
 
 
-def _parse_cell(experiment: Experiment, text: str) -> Cell:
+def _parse_cell(experiment: Experiment, text: str) -> CellSpec:
     match = CELL_RE.match(text)
     if not match:
         raise ConfigError(f"'{text}' is not a cell id (CONFIGURATION/MODE/ctxCONTEXT_cSESSIONS or _rRATE)")
@@ -121,16 +122,16 @@ def cmd_cell_run(experiment: Experiment, args: argparse.Namespace) -> int:
     from servegrid.pipeline.cell_job import run_cell
 
     cell = _parse_cell(experiment, args.cell)
-    out = args.out or cell.path
+    out = args.out or (cell.top_up_path(args.top_up) if args.top_up else cell.path)
     runtime = _runtime(experiment, cell.configuration)
     try:
         # Owned by this command unless it is to stay up (then 'servegrid server down' stops it).
         owner = None if args.keep_server else procs.ProcessRef.of(os.getpid())
-        meta = run_cell(experiment, cell, out, owner=owner)
+        meta = run_cell(experiment, cell, out, owner=owner, top_up_round=args.top_up or 0)
     finally:
         if not args.keep_server:
             server.stop(cell.configuration, runtime, reason="servegrid cell run finished")
-    print(f"wrote {out} ({meta['duration_s']:.1f} s measured)")
+    print(f"wrote {out} ({meta.duration_s or 0.0:.1f} s measured)")
     return 0
 
 
@@ -141,10 +142,32 @@ def _grid_cells_present(experiment: Experiment) -> list[str]:
     return present
 
 
-def cmd_aggregate(experiment: Experiment, args: argparse.Namespace) -> int:
-    from servegrid.analysis import aggregation
+def cmd_decide(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid.analysis import top_ups
 
-    summary = aggregation.aggregate(experiment, _grid_cells_present(experiment), RunTables())
+    if experiment.top_up_rounds is None:
+        raise ConfigError("servegrid decide: rounds of decisions run under sampling.policy: verdict only")
+    files = top_ups.CellFiles(_grid_cells_present(experiment), top_ups.top_ups_decided(experiment, args.round))
+    decision = top_ups.decide_round(experiment, args.round, files, paths.decision(args.round))
+    for group in decision["groups"]:
+        print(f"{group['mode']} ctx {group['context']} × {group['concurrency']}: {group['state']}")
+    print(f"top up in round {args.round}: " + (", ".join(decision["top_up"]) or "nothing"))
+    return 0
+
+
+def cmd_aggregate(experiment: Experiment, args: argparse.Namespace) -> int:
+    from servegrid.analysis import aggregation, top_ups
+
+    rounds = experiment.top_up_rounds
+    decided = [k for k in range(1, (rounds or 0) + 2) if Path(paths.decision(k)).exists()]
+    last = max(decided, default=0)
+    summary = aggregation.aggregate(
+        experiment,
+        _grid_cells_present(experiment),
+        RunTables(),
+        top_up_files=[f for f in top_ups.top_ups_decided(experiment, last) if Path(f).exists()] if last else [],
+        decisions=paths.decision(last) if last else None,
+    )
     print(f"{len(summary)} cells → {RunTables().summary}")
     return 0
 
@@ -212,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(group: Any, name: str, help_text: str) -> argparse.ArgumentParser:
-        return group.add_parser(name, help=help_text, parents=[common])
+        command: argparse.ArgumentParser = group.add_parser(name, help=help_text, parents=[common])
+        return command
 
     add(sub, "validate", "validate the config and list the grid").set_defaults(func=cmd_validate)
     cli_planning.add_commands(sub, add)
@@ -238,12 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     down_p.set_defaults(func=cmd_server_down)
     add(srv, "status", "list recorded servers").set_defaults(func=cmd_server_status)
 
-    cell_p = add(sub, "cell", "measure cells").add_subparsers(dest="action", required=True)
-    run_p = add(cell_p, "run", "measure one cell")
-    run_p.add_argument("cell", help="CONFIGURATION/MODE/ctxCONTEXT_cCONCURRENCY")
-    run_p.add_argument("--out", help=f"output file (default: {paths.CELL_PATTERN})")
-    run_p.add_argument("--keep-server", action="store_true", help="leave the server up for the next cell")
-    run_p.set_defaults(func=cmd_cell_run)
+    _add_cell_commands(sub, add)
 
     add(sub, "aggregate", "cell files → Parquet tables").set_defaults(func=cmd_aggregate)
     add(sub, "figures", "summary → figures").set_defaults(func=cmd_figures)
@@ -261,6 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_p.add_argument("--lang", action="append", help="page language (repeatable; default: report.languages)")
     cmp_p.set_defaults(func=cmd_compare)
     return parser
+
+
+def _add_cell_commands(sub: Any, add: Any) -> None:
+    cell_p = add(sub, "cell", "measure cells").add_subparsers(dest="action", required=True)
+    run_p = add(cell_p, "run", "measure one cell")
+    run_p.add_argument("cell", help="CONFIGURATION/MODE/ctxCONTEXT_cCONCURRENCY")
+    run_p.add_argument("--out", help=f"output file (default: {paths.CELL_PATTERN})")
+    run_p.add_argument("--keep-server", action="store_true", help="leave the server up for the next cell")
+    run_p.add_argument("--top-up", type=int, metavar="ROUND", help="measure the cell's top-up of this round")
+    run_p.set_defaults(func=cmd_cell_run)
+    decide_p = add(sub, "decide", "sampling.policy verdict: a round's decisions from the cells and earlier top-ups")
+    decide_p.add_argument("round", type=int)
+    decide_p.set_defaults(func=cmd_decide)
 
 
 def main(argv: list[str] | None = None) -> int:

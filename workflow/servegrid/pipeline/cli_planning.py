@@ -1,16 +1,19 @@
-"""``servegrid preflight``, ``servegrid estimate`` and ``servegrid trace``: the commands before a run
-(:mod:`servegrid.planning`; a replayed trace, servegrid.modes.trace_source), registered on the ``servegrid`` parser
-by :func:`add_commands`."""
+"""``servegrid preflight``, ``servegrid estimate``, ``servegrid calibrate`` and ``servegrid trace``: the commands
+before a run (:mod:`servegrid.planning`; the calibration pass, servegrid.pipeline.calibration_pass; a replayed trace,
+servegrid.modes.trace_source), registered on the ``servegrid`` parser by :func:`add_commands`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from servegrid import atomic, paths
 from servegrid.config import Experiment
+from servegrid.errors import ConfigError
+from servegrid.records.calibration_file import Calibration
 
 
 def cmd_preflight(experiment: Experiment, args: argparse.Namespace) -> int:
@@ -24,13 +27,47 @@ def cmd_preflight(experiment: Experiment, args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(experiment: Experiment, args: argparse.Namespace) -> int:
-    from servegrid.planning import estimate
+    from servegrid.planning import estimate, estimate_text
 
-    est = estimate.estimate(experiment, Path(args.results))
-    print(estimate.text(est, args.cores))
+    if args.calibrate:
+        calibrations = calibrate_configurations(experiment, list(experiment.configurations), force=False)
+    else:
+        calibrations = estimate.current_calibrations(experiment)
+    est = estimate.estimate(experiment, Path(args.results), calibrations)
+    print(estimate_text.text(est, args.cores))
     if args.json:
-        atomic.write_json(args.json, estimate.as_json(est, args.cores or len(est.groups)))
+        atomic.write_json(args.json, estimate_text.as_json(est, args.cores or len(est.groups)))
     return 0
+
+
+def cmd_calibrate(experiment: Experiment, args: argparse.Namespace) -> int:
+    names = args.names or list(experiment.configurations)
+    unknown = sorted(set(names) - set(experiment.configurations))
+    if unknown:
+        raise ConfigError(
+            f"no configuration named {', '.join(unknown)} (the config has {', '.join(experiment.configurations)})"
+        )
+    calibrate_configurations(experiment, names, force=args.force)
+    return 0
+
+
+def calibrate_configurations(experiment: Experiment, names: list[str], force: bool) -> dict[str, Calibration]:
+    """Calibrate each of ``names`` whose calibration is missing or of another server spec (all, with ``force``), one
+    after another, each on a server session of its own that this process owns; returns every current calibration."""
+    from servegrid.pipeline import calibration_pass
+    from servegrid.planning import estimate
+    from servegrid.serving import procs
+
+    current = {} if force else estimate.current_calibrations(experiment)
+    for name in names:
+        path = paths.calibration_path(name)
+        if name in current:
+            print(f"{name}: calibrated for this server spec ({path}, {current[name].measured_at}); --force redoes it")
+            continue
+        done = calibration_pass.calibrate(experiment, name, path, owner=procs.ProcessRef.of(os.getpid()))
+        print(f"{name}: calibrated, {len(done.probes)} probes, start {done.startup_s:.0f} s ({path})")
+        current[name] = done
+    return current
 
 
 def cmd_trace(experiment: Experiment, args: argparse.Namespace) -> int:
@@ -56,8 +93,10 @@ def cmd_trace(experiment: Experiment, args: argparse.Namespace) -> int:
     elif args.window in replays:
         trace = replays[args.window].sent
     else:
-        raise ConfigError(f"--window {args.window!r}: workloads.{args.mode} has the windows "
-                          f"{', '.join(repr(w) for w in replays) or 'none'} ('': the whole trace)")  # fmt: skip
+        raise ConfigError(
+            f"--window {args.window!r}: workloads.{args.mode} has the windows "
+            f"{', '.join(repr(w) for w in replays) or 'none'} ('': the whole trace)"
+        )
     if args.out:
         atomic.write_text(args.out, trace_source.to_jsonl(trace))
         print(args.out)
@@ -76,7 +115,14 @@ def add_commands(sub: Any, add: Callable[[Any, str, str], argparse.ArgumentParse
     est_p.add_argument("--results", default=paths.RESULTS, help="an earlier run's results (its measured cells)")
     est_p.add_argument("--cores", type=int, help="the --cores you will give Snakemake (default: the advice)")
     est_p.add_argument("--json", help="also write the estimate to this file")
+    est_p.add_argument(
+        "--calibrate", action="store_true", help="first calibrate each configuration not calibrated for its server spec"
+    )
     est_p.set_defaults(func=cmd_estimate)
+    cal_p = add(sub, "calibrate", "measure what each configuration's cells cost, on one short server session each")
+    cal_p.add_argument("names", nargs="*", metavar="NAME", help="configurations (default: all)")
+    cal_p.add_argument("--force", action="store_true", help="calibrate again even where the server spec is unchanged")
+    cal_p.set_defaults(func=cmd_calibrate)
     trace_p = add(sub, "trace", "the trace a trace mode replays, and each of its windows as the cells see it")
     trace_sub = trace_p.add_subparsers(dest="action", required=True)
     show_p = add(trace_sub, "show", "its size, pace, lengths and hash")

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 
-from servegrid.config import Cell, Experiment
+from servegrid.config import CellSpec, Experiment
+from servegrid.records.cell_settings import CellSettings
+from servegrid.records.cell_spec import Sessions
 
 CELL_OVERHEAD_S = 60  # per cell: its job's start, the server's liveness check, the cache reset, the file
 
@@ -23,20 +25,20 @@ def minutes(seconds: float) -> int:
     return max(1, math.ceil(seconds / 60))
 
 
-def cell_time_limit_s(experiment: Experiment, cell: Cell) -> float:
+def cell_time_limit_s(experiment: Experiment, cell: CellSpec) -> float:
     """The longest ``cell`` may take: its measuring ceiling, its warm-up, its overhead.
 
     A sequential cell measures for at most ``sampling.max_duration_s`` (timed while measuring; the round in
     flight may end later: a quarter on top). A fixed-count cell has no time ceiling but its requests' own:
     ``duration_s`` per repeat where set, else every request at ``operations.request_timeout_s``.
     """
-    settings = experiment.cell_settings(cell)
-    workload, rule = settings["workload"], settings["sampling"]["rule"]
+    settings = CellSettings(experiment.cell_settings(cell))
+    workload, rule = settings.workload, settings.rule
     timeout = experiment.operations.request_timeout_s
-    repeats = int(workload.get("repeats", 1))
-    if settings.get("rate"):  # open loop: the schedule's span, then the drain (at most a request's timeout)
-        window = settings["open_loop"]
-        measuring = repeats * (float(window["ramp_s"]) + int(window["requests"]) / float(settings["rate"]) + timeout)
+    repeats = settings.repeats
+    if not isinstance(cell.load, Sessions):  # open loop: the schedule's span, then the drain (a request's timeout)
+        window = settings.open_loop_window
+        measuring = repeats * (float(window["ramp_s"]) + int(window["requests"]) / cell.load.per_s + timeout)
     elif rule is not None:
         measuring = 1.25 * float(rule["max_duration_s"])
     elif workload.get("duration_s"):

@@ -23,6 +23,7 @@ from servegrid.config import Experiment, plan
 from servegrid.errors import ConfigError, guarded
 from servegrid.paths import RunTables
 from servegrid.pipeline import logging_setup
+from servegrid.records import table_format
 from servegrid.serving import server
 
 
@@ -82,7 +83,21 @@ def run_cell(smk: Any) -> None:
         if written != experiment.public_launch_spec(cell.configuration):
             raise ConfigError(f"{smk.input.spec} does not match the configuration; rerun its server_spec job")
         # spec.json has its secrets masked; the server is launched with the real ones.
-        measure(experiment, cell, smk.output[0], owner=server.owner_from_env())
+        top_up_round = int(getattr(wc, "round", 0) or 0)  # the top_up rule's jobs: a round of the cell's top-ups
+        measure(experiment, cell, smk.output[0], owner=server.owner_from_env(), top_up_round=top_up_round)
+
+    _run(smk, body)
+
+
+def calibrate(smk: Any) -> None:
+    from servegrid.pipeline import calibration_pass
+
+    def body(experiment: Experiment) -> None:
+        name = smk.wildcards.configuration
+        written = json.loads(Path(smk.input.spec).read_text(encoding="utf-8"))
+        if written != experiment.public_launch_spec(name):
+            raise ConfigError(f"{smk.input.spec} does not match the configuration; rerun its server_spec job")
+        calibration_pass.calibrate(experiment, name, smk.output[0], owner=server.owner_from_env())
 
     _run(smk, body)
 
@@ -102,8 +117,20 @@ def build_model(smk: Any) -> None:
     from servegrid.serving import tiny_model
 
     def body(experiment: Experiment) -> None:
-        spec = tiny_model.TinyModelSpec(**experiment.tiny_model_spec())
+        fields = experiment.tiny_model_spec()
+        assert fields is not None, "build_model runs only for a config with model.tiny"
+        spec = tiny_model.TinyModelSpec(**fields)
         tiny_model.build(Path(smk.output[0]), spec, tiny_model.engine_python(experiment.engine.command))
+
+    _run(smk, body)
+
+
+def decide_round(smk: Any) -> None:
+    from servegrid.analysis import top_ups
+
+    def body(experiment: Experiment) -> None:
+        cells = top_ups.CellFiles(list(smk.input.cells), list(smk.input.top_ups))
+        top_ups.decide_round(experiment, int(smk.wildcards.round), cells, smk.output[0])
 
     _run(smk, body)
 
@@ -112,7 +139,15 @@ def aggregate(smk: Any) -> None:
     from servegrid.analysis import aggregation
 
     def body(experiment: Experiment) -> None:
-        aggregation.aggregate(experiment, list(smk.input.cells), RunTables.from_named(smk.output))
+        top_up_files = list(getattr(smk.input, "top_ups", []) or [])
+        decisions = list(getattr(smk.input, "decisions", []) or [])
+        aggregation.aggregate(
+            experiment,
+            list(smk.input.cells),
+            RunTables.from_named(smk.output),
+            top_up_files=top_up_files,
+            decisions=decisions[0] if decisions else None,
+        )
 
     _run(smk, body)
 
@@ -144,12 +179,11 @@ def render_report(smk: Any) -> None:
 
 
 def export(smk: Any) -> None:
-    import pandas as pd
 
     from servegrid.reporting import interchange as exports
 
     def body(experiment: Experiment) -> None:
-        requests, summary = pd.read_parquet(smk.input.requests), pd.read_parquet(smk.input.summary)
+        requests, summary = table_format.read(smk.input.requests), table_format.read(smk.input.summary)
         exports.write_bench_results(requests, summary, smk.params.model, Path(smk.output.bench))
         exports.write_csv(summary, smk.output.summary_csv)
         exports.write_csv(requests, smk.output.requests_csv)

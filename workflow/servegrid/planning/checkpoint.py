@@ -23,6 +23,7 @@ class Checkpoint:
     local: bool  # present on this machine
     built_by_pipeline: bool = False  # model.tiny: the pipeline writes it before the first server starts
     why_unknown: str = ""  # what could not be learned, in words
+    refused: str = ""  # the Hub's answer that no server here could load it (missing, gated, not authorised)
 
 
 def weight_files(names: list[str]) -> list[str]:
@@ -47,7 +48,8 @@ def offline() -> bool:
 def _read_config(folder: Path) -> dict[str, Any] | None:
     path = folder / "config.json"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return config
     except (OSError, ValueError):
         return None
 
@@ -90,7 +92,10 @@ def _on_the_hub(repo: str, timeout_s: float) -> Checkpoint:
     try:
         api = HfApi()
         info = api.model_info(repo, files_metadata=True, timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - network, auth, a gated or missing repo: said, not fatal here
+    except Exception as exc:  # noqa: BLE001 - network and the like: said, not fatal here
+        refused = _hub_refusal(repo, exc)
+        if refused:
+            return Checkpoint(repo, None, None, None, local=False, why_unknown=refused, refused=refused)
         return Checkpoint(
             repo,
             None,
@@ -106,6 +111,40 @@ def _on_the_hub(repo: str, timeout_s: float) -> Checkpoint:
     with contextlib.suppress(Exception):
         config = _read_config(Path(hf_hub_download(repo, "config.json", endpoint=api.endpoint)).parent)
     return Checkpoint(repo, None, config, size or None, local=False)
+
+
+def _hub_refusal(repo: str, exc: Exception) -> str:
+    """The Hub's definite no, in words naming what to do (issue 42: a gated repo was a warning, and the servers
+    failed at start-up after the run had begun); "" for anything else (the network, a timeout)."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    token = "HF_TOKEN is set" if os.environ.get("HF_TOKEN") else "HF_TOKEN is not set"
+    if isinstance(exc, GatedRepoError):
+        return (
+            f"{repo} is gated on the Hugging Face Hub and this machine's token has no access ({token}): accept its "
+            "terms on the Hub with your account, then export HF_TOKEN with a token of that account before the run"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            f"{repo} is not on the Hugging Face Hub, or it is private and the token gives no access ({token}): check "
+            "model.path, or export HF_TOKEN with a token that can read it"
+        )
+    status = getattr(getattr(exc, "response", None), "status_code", None) if isinstance(exc, HfHubHTTPError) else None
+    if status in (401, 403):
+        return f"the Hugging Face Hub refused to show {repo} (HTTP {status}; {token}): export a valid HF_TOKEN"
+    return ""
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the checkpoint carries a chat template where transformers looks: ``chat_template.jinja``,
+    ``chat_template.json``, or ``tokenizer_config.json``'s ``chat_template``."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 def cache_free_bytes() -> tuple[Path, int]:

@@ -11,10 +11,11 @@ said as plainly (``unchecked``).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from servegrid import engines, redact
+from servegrid import engines, modes, redact
 from servegrid.config import Experiment
 from servegrid.errors import PreflightError, ServerError
 from servegrid.planning import checkpoint, host_checks
@@ -112,18 +113,10 @@ def run(
         ckpt = checkpoint.Checkpoint(experiment.model.path, None, None, None, local=True)
     memory = host_checks.gpu_memory()
     _run_wide(experiment, report, engine, ckpt, environ)
-    launches = {}
-    for name in names:
-        conf = experiment.configuration(name)
-        spec = experiment.launch_spec(name)
-        runtime = server.Runtime.from_config(experiment.operations, conf)
-        try:
-            argv, env = server.launch_command(spec, runtime, runtime.port_range[0])
-        except ServerError as exc:  # the API key's variable unset: said as a finding, the others still checked
-            report.findings.append(Finding("error", name, "engine.api_key_env", str(exc)))
-            continue
-        # The GPUs the server will get (inside a Slurm job, those Slurm gave it), not the config's numbers.
-        launches[name] = engines.ServerLaunch(argv, env, list(runtime.gpus), spec["speculative"])
+    if memory is not None:
+        report.findings += _gpu_model_findings(experiment, names, memory)
+    report.findings += _chat_template_findings(experiment, ckpt)
+    launches = _launches(experiment, names, report)
     answers = engine.preflight(launches, ckpt.config, PROBE_TIMEOUT_S if probe else None)
     for name, launch in launches.items():
         found, facts = answers[name]
@@ -142,21 +135,104 @@ def run(
                 checked.append("the GPUs a CUDA process sees in the server's environment")
                 for problem in host_checks.visible_gpu_findings(launch.gpus, memory, facts["cuda_devices"]):
                     report.findings.append(Finding("error", name, f"configurations.{name}.gpus", problem))
-            claim = engine.gpu_memory_claim(launch.argv)
-            # servegrid's own server of another configuration on these GPUs is stopped before this one starts.
-            ours = own_servers_on(experiment, name, launch.gpus)
-            level = "warning" if ours else "error"
-            for problem in host_checks.memory_findings(launch.gpus, memory, ckpt.weights_bytes, claim):
-                said = (
-                    f"{problem} (servegrid's own server of {', '.join(ours)} holds it now: stopped first)"
-                    if ours
-                    else problem
-                )
-                report.findings.append(Finding(level, name, f"configurations.{name}.gpus", said))
+            report.findings += _memory_findings(
+                experiment, engine, name, launch, memory, ckpt.weights_bytes, ckpt.config
+            )
         report.checked[name] = checked
         if facts:
             report.facts[name] = facts
     return report
+
+
+def _launches(experiment: Experiment, names: list[str], report: Report) -> dict[str, engines.ServerLaunch]:
+    """How each configuration's server would be started; a launch that cannot be built: a finding on ``report``."""
+    launches = {}
+    for name in names:
+        conf = experiment.configuration(name)
+        spec = experiment.launch_spec(name)
+        runtime = server.Runtime.from_config(experiment.operations, conf)
+        try:
+            argv, env = server.launch_command(spec, runtime, runtime.port_range[0])
+        except ServerError as exc:  # the API key's variable unset: said as a finding, the others still checked
+            report.findings.append(Finding("error", name, "engine.api_key_env", str(exc)))
+            continue
+        # The GPUs the server will get (inside a Slurm job, those Slurm gave it), not the config's numbers.
+        launches[name] = engines.ServerLaunch(argv, env, list(runtime.gpus), spec["speculative"])
+    return launches
+
+
+def _memory_findings(
+    experiment: Experiment,
+    engine: engines.Engine,
+    name: str,
+    launch: engines.ServerLaunch,
+    memory: dict[int, host_checks.GpuMemory],
+    weights_bytes: int | None,
+    checkpoint_config: dict[str, Any] | None,
+) -> list[Finding]:
+    """Whether the configuration's GPUs have the memory its server claims, its weights need, and its KV pool one
+    request of its full length needs."""
+    claim = engine.gpu_memory_claim(launch.argv)
+    # servegrid's own server of another configuration on these GPUs is stopped before this one starts.
+    ours = own_servers_on(experiment, name, launch.gpus)
+    level = "warning" if ours else "error"
+    findings = []
+    for problem in host_checks.memory_findings(launch.gpus, memory, weights_bytes, claim):
+        said = (
+            f"{problem} (servegrid's own server of {', '.join(ours)} holds it now: stopped first)" if ours else problem
+        )
+        findings.append(Finding(level, name, f"configurations.{name}.gpus", said))
+    kv = engine.kv_demand(launch.argv, checkpoint_config)
+    if kv is not None:
+        for kv_level, problem in host_checks.kv_pool_findings(launch.gpus, memory, weights_bytes, claim, kv):
+            # Whatever else holds the GPU now, the pool is what the claim leaves after the weights.
+            findings.append(Finding(kv_level, name, key_of(experiment, name, "args:--max-model-len"), problem))
+    return findings
+
+
+def _gpu_model_findings(
+    experiment: Experiment, names: list[str], memory: dict[int, host_checks.GpuMemory]
+) -> list[Finding]:
+    """A warning where the configurations compared head to head run on different GPU models (issue 42): part of
+    their difference would be the cards'."""
+    models = {
+        name: " + ".join(memory[i].name for i in gpus)
+        for name in names
+        if (gpus := experiment.configuration(name).gpus) and all(i in memory for i in gpus)
+    }
+    if len(set(models.values())) <= 1:
+        return []
+    said = "; ".join(f"{name} on GPU(s) {list(experiment.configuration(name).gpus)}: {m}" for name, m in models.items())
+    message = (
+        f"the configurations run on different GPU models ({said}): part of any difference between them is the cards'"
+    )
+    return [Finding("warning", None, "configurations.*.gpus", message)]
+
+
+def _chat_template_findings(experiment: Experiment, ckpt: checkpoint.Checkpoint) -> list[Finding]:
+    """A mode that sends through the chat endpoint, on a checkpoint without a chat template and no --chat-template:
+    vLLM answers every chat request with HTTP 400 (transformers keeps no default template since 4.44)."""
+    chatting = [name for name in experiment.workloads if modes.get(name).uses_chat]
+    if not chatting or ckpt.folder is None or checkpoint.has_chat_template(ckpt.folder):
+        return []
+    given = ["engine.args"] if any(a.split("=")[0] == "--chat-template" for a in experiment.engine.args) else []
+    given += [
+        f"configurations.{n}.args"
+        for n, c in experiment.configurations.items()
+        if any(a.split("=")[0] == "--chat-template" for a in c.args)
+    ]
+    if given:
+        return []
+    return [
+        Finding(
+            "error",
+            None,
+            "model.path",
+            f"{ckpt.source} has no chat template (chat_template.jinja, or tokenizer_config.json's chat_template), and "
+            f"workloads.{chatting[0]} sends through the chat endpoint: vLLM would answer each of its requests with "
+            "HTTP 400; give the server one (--chat-template in engine.args) or drop that workload",
+        )
+    ]
 
 
 def _run_wide(
@@ -175,6 +251,9 @@ def _run_wide(
                 f"would go through that proxy and a healthy server would time out (set no_proxy={host},localhost)",
             )
         )
+    overlap = host_checks.ephemeral_overlap(experiment.operations.port_range)
+    if overlap:
+        report.findings.append(Finding("warning", None, "operations.port_range", overlap))
     if any(c.gpus for c in experiment.configurations.values()) and host_checks.gpu_memory() is None:
         report.unchecked.append(
             "GPUs: no nvidia-smi on this host (the GPUs' presence and free memory are checked "
@@ -184,6 +263,8 @@ def _run_wide(
         report.unchecked.append(
             f"model: {ckpt.source} is built by the pipeline (model.tiny); its config.json is read once it exists"
         )
+    elif ckpt.refused:
+        report.findings.append(Finding("error", None, "model.path", ckpt.refused))
     elif not ckpt.local:
         folder, free = checkpoint.cache_free_bytes()
         if ckpt.weights_bytes is None:
@@ -223,7 +304,7 @@ def _run_wide(
         )
 
 
-def own_servers_on(experiment: Experiment, name: str, gpus: list[int]) -> list[str]:
+def own_servers_on(experiment: Experiment, name: str, gpus: Sequence[int]) -> list[str]:
     """Other configurations whose servegrid server is live on any of ``gpus`` (their memory is not another user's)."""
     runtime = server.Runtime.from_config(experiment.operations, experiment.configuration(name))
     return sorted(

@@ -8,8 +8,6 @@ relative to the request's own send time. Column meanings are documented in
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -20,13 +18,9 @@ import pyarrow.parquet as pq
 
 from servegrid import atomic
 from servegrid.errors import CellFileError
+from servegrid.records import cell_format
+from servegrid.records.cell_record import CellRecord
 from servegrid.records.request import RequestRecord
-
-METADATA_KEY = b"servegrid.pipeline.cell_job"
-# SHA-256 of the metadata's bytes. Parquet's page checksums cover the rows, not the footer the metadata lives in: a
-# bit flipped there could leave valid JSON with another duration or server counter. Files from before it was
-# written carry none and are read as before.
-METADATA_SHA256_KEY = b"servegrid.pipeline.cell_job.sha256"
 
 
 def _field(name: str, kind: pa.DataType, doc: str, nullable: bool = True) -> pa.Field:
@@ -93,41 +87,44 @@ def rows(records: list[RequestRecord]) -> dict[str, list[Any]]:
     return columns
 
 
-def write_cell(path: Path | str, records: list[RequestRecord], meta: dict[str, Any]) -> None:
-    """Write the cell atomically: the file appears complete or not at all."""
-    encoded = json.dumps(meta, sort_keys=True, default=str).encode()
-    schema = CELL_SCHEMA.with_metadata(
-        {METADATA_KEY: encoded, METADATA_SHA256_KEY: hashlib.sha256(encoded).hexdigest().encode()}
-    )
+def write_cell(path: Path | str, records: list[RequestRecord], cell: CellRecord) -> None:
+    """Write the cell atomically, in today's format (:mod:`servegrid.records.cell_format`): the file appears
+    complete or not at all."""
+    schema = CELL_SCHEMA.with_metadata(cell_format.encode(cell.facts()))
     table = pa.table(rows(records), schema=schema)
     with atomic.atomic_path(path) as tmp:  # a write that fails (disk full) is an OutputError naming the path
         # Page checksums: a bit flipped on disk is an error on read, never a silently wrong latency.
         pq.write_table(table, tmp, write_page_checksum=True)
 
 
-def read_cell(path: Path | str) -> tuple[pa.Table, dict[str, Any]]:
-    """A cell file's table and metadata; :class:`CellFileError` naming the file if it cannot be read."""
+def read_cell(path: Path | str) -> tuple[pa.Table, CellRecord]:
+    """A cell file of any format servegrid wrote, as today's: its request table (today's columns) and its record
+    (``format_version`` says which format the file is). :class:`CellFileError` naming the file if it cannot be
+    read, :class:`~servegrid.errors.NewerFormatError` if a newer servegrid wrote it."""
     try:
         table = pq.read_table(path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as exc:
         raise CellFileError(f"{path}: cannot read the cell file ({exc})") from exc
-    return table, metadata(path, table.schema.metadata)
+    record = _record(path, table.schema.metadata)
+    return cell_format.upgrade_table(table, CELL_SCHEMA), record
 
 
-def metadata(path: Path | str, file_metadata: dict[bytes, bytes] | None) -> dict[str, Any]:
-    """The cell's facts from a cell file's Parquet metadata, checked against their checksum."""
-    raw = (file_metadata or {}).get(METADATA_KEY)
-    if raw is None:
-        raise CellFileError(f"{path}: not a servegrid cell file (no {METADATA_KEY.decode()} metadata)")
-    digest = (file_metadata or {}).get(METADATA_SHA256_KEY)
-    if digest is not None and hashlib.sha256(raw).hexdigest().encode() != digest:
-        raise CellFileError(
-            f"{path}: its footer (the cell's facts: duration, server metrics, settings) does not match its checksum"
-        )
+def read_record(path: Path | str) -> CellRecord:
+    """The cell's record alone (the footer only is read, not the requests)."""
     try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise CellFileError(f"{path}: its footer is not readable JSON ({exc})") from exc
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise CellFileError(f"{path}: cannot read the cell file ({exc})") from exc
+    return _record(path, schema.metadata)
+
+
+def _record(path: Path | str, file_metadata: dict[bytes, bytes] | None) -> CellRecord:
+    """The record from a cell file's Parquet metadata (any format), checked against its checksum."""
+    facts = cell_format.upgrade(cell_format.decode(path, file_metadata))
+    try:
+        return CellRecord.from_facts(facts)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CellFileError(f"{path}: its footer does not describe a cell ({exc!r})") from exc
 
 
 def set_aside(path: Path | str) -> Path:

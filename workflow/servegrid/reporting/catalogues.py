@@ -15,7 +15,7 @@ from babel import Locale
 from babel.dates import format_date, format_datetime
 from babel.messages.mofile import write_mo
 from babel.messages.pofile import read_po
-from babel.numbers import format_decimal, format_percent
+from babel.numbers import format_currency, format_decimal, format_percent
 from babel.support import Translations
 from babel.units import format_unit
 
@@ -82,6 +82,16 @@ class Formatter:
 
     def ms(self, value: Any) -> str:
         return self.unit(None if intervals.missing(value) else value * 1000, "duration-millisecond", 1)
+
+    def money(self, value: Any, currency: str) -> str:
+        """An amount in ``currency`` as the language writes one ("US$ 0,42", "0,42 USD"): to the cent, or to three
+        significant figures below a cent (a million tokens can cost less)."""
+        if intervals.missing(value):
+            return "–"
+        if abs(value) >= 0.01:
+            return format_currency(value, currency, locale=self.locale)
+        rounded = float(f"{value:.3g}")
+        return format_currency(rounded, currency, locale=self.locale, decimal_quantization=False)
 
     def percent(self, value: Any) -> str:
         return "–" if intervals.missing(value) else format_percent(value, format="#,##0%", locale=self.locale)

@@ -29,6 +29,7 @@ from servegrid.config import Experiment, canonical_json
 from servegrid.errors import ReportError
 from servegrid.languages import REPORT_ROOT
 from servegrid.paths import RunTables
+from servegrid.records import table_format
 from servegrid.reporting.catalogues import Formatter, load_catalog
 from servegrid.reporting.contents import ReportContents
 from servegrid.reporting.contents.gateway import gateway_view
@@ -62,7 +63,7 @@ def provenance(experiment: Experiment) -> dict[str, Any]:
 def read_table(path: str) -> pd.DataFrame:
     """One of the run's Parquet tables; a missing or damaged one is a :class:`ReportError` naming it."""
     try:
-        return pd.read_parquet(path)
+        return table_format.read(path)
     except (OSError, ValueError) as exc:
         raise ReportError(f"{path}: cannot read the table ({exc}); run the aggregate step first") from exc
 
@@ -84,7 +85,7 @@ def _is_tall(png: Path) -> bool:
     if head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
         raise ReportError(f"{png}: not a PNG figure; run the figures step again")
     (height_px,) = struct.unpack(">I", head[20:24])
-    return height_px / FIGURE_DPI * 72 > TALL_PT
+    return bool(height_px / FIGURE_DPI * 72 > TALL_PT)
 
 
 def environment(lang: str) -> tuple[jinja2.Environment, Formatter, Any]:
@@ -109,6 +110,7 @@ def environment(lang: str) -> tuple[jinja2.Environment, Formatter, Any]:
         whole_number=fmt.whole_number,
         ms=fmt.ms,
         percent=fmt.percent,
+        money=fmt.money,
         date=fmt.date,
         datetime=fmt.datetime,
     )
@@ -141,8 +143,17 @@ def render_html(
 
 
 # The tables the report shows: the report rules declare these as their inputs (with the figures and templates).
-TABLES_READ = ("summary", "comparisons", "servers", "verdict", "crossovers", "production", "gateway", "gateway_verdict",
-               "rates")  # fmt: skip
+TABLES_READ = (
+    "summary",
+    "comparisons",
+    "servers",
+    "verdict",
+    "crossovers",
+    "production",
+    "gateway",
+    "gateway_verdict",
+    "rates",
+)
 
 
 def render(

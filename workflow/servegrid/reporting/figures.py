@@ -10,8 +10,8 @@ own format. Each figure is written once, as PNG at
 
 The figures of the whole run (the baseline heatmap, the latency distributions, goodput) are drawn by
 :class:`servegrid.reporting.run_figures.RunFigures`, which the Painter extends (and the open-loop and trace ones by
-its other mixins): colours, markers, number formats and legends stay decided in one place, here. It runs just
-over 300 lines: the modes' own drawings stay beside those shared helpers.
+its other mixins): colours, markers, number formats and legends stay decided in one place, here. The modes' own
+drawings stay beside those shared helpers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib.artist import Artist
 from matplotlib.ticker import FixedLocator, FuncFormatter
+from matplotlib.typing import ColorType
 
 from servegrid import atomic, modes
 from servegrid.analysis.requests_table import closed_loop
@@ -35,6 +37,7 @@ from servegrid.config import Experiment
 from servegrid.errors import ReportError
 from servegrid.modes.base import FigureSpec
 from servegrid.paths import RunTables
+from servegrid.records import table_format
 from servegrid.reporting import figure_files
 from servegrid.reporting.catalogues import format_number, load_catalog
 from servegrid.reporting.figure_files import FIGURE_DPI, FORMATS, TABLES_READ, figure_specs, shown_contexts
@@ -86,7 +89,8 @@ class Painter(RunFigures, RateFigures, TraceFigures):
         if spec.kind not in kinds:
             raise ReportError(f"figure '{spec.name}': unknown kind '{spec.kind}' (known: {', '.join(kinds)})")
         draw = getattr(self, spec.kind)
-        return draw() if mode is None else draw(mode, **spec.options)
+        figure: plt.Figure = draw() if mode is None else draw(mode, **spec.options)
+        return figure
 
     # ---- helpers -------------------------------------------------------------------
     def number(self, value: float, digits: int | None = None) -> str:
@@ -107,7 +111,7 @@ class Painter(RunFigures, RateFigures, TraceFigures):
     def _context_title(self, mode: str, context: int) -> str:
         return self._(modes.get(mode).context_title) % {"tokens": self.number(context, 0)}
 
-    def _line(self, ax: plt.Axes, rows: pd.DataFrame, label: str, colour: object, marker: str = "o") -> None:
+    def _line(self, ax: plt.Axes, rows: pd.DataFrame, label: str, colour: ColorType, marker: str = "o") -> None:
         rows = rows.sort_values("concurrency")
         x = rows["concurrency"].to_numpy(dtype=float)
         y = rows["primary_p50"].to_numpy(dtype=float)
@@ -124,15 +128,25 @@ class Painter(RunFigures, RateFigures, TraceFigures):
         few = rows[rows["primary_p50"].isna()]
         if len(few):
             on_axis = np.full(len(few), 0.04)  # in axes units: just above the x axis
-            ax.scatter(few["concurrency"], on_axis, transform=ax.get_xaxis_transform(), marker=marker, s=60,
-                       facecolors="none", edgecolors=[colour], linewidths=1.5, zorder=5, clip_on=False)  # fmt: skip
+            ax.scatter(
+                few["concurrency"],
+                on_axis,
+                transform=ax.get_xaxis_transform(),
+                marker=marker,
+                s=60,
+                facecolors="none",
+                edgecolors=[colour],
+                linewidths=1.5,
+                zorder=5,
+                clip_on=False,
+            )
             ax.scatter([], [], marker="o", facecolors="none", edgecolors="grey", label=self._("n too small"))
 
     def _legend_and_layout(self, fig: plt.Figure, bottom: float) -> None:
         """One legend for the figure, from every panel (a configuration missing from the first one is
         still named), each label once, in the ``bottom`` share of the figure kept free below the panels
         (a legend of many rows grows downwards, past the figure's edge: the saved file includes it)."""
-        seen: dict[str, object] = {}
+        seen: dict[str, Artist] = {}
         for axis in fig.axes:
             for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
                 seen.setdefault(label, handle)
@@ -141,8 +155,14 @@ class Painter(RunFigures, RateFigures, TraceFigures):
             # at most three: a wider legend would widen the saved figure and shrink it on the page.
             longest = max(len(label) for label in seen)
             columns = max(1, min(3, len(seen), int(fig.get_figwidth() * 13 // (longest + 4))))
-            fig.legend(list(seen.values()), list(seen), loc="upper center", bbox_to_anchor=(0.5, bottom),
-                       ncol=columns, frameon=False)  # fmt: skip
+            fig.legend(
+                list(seen.values()),
+                list(seen),
+                loc="upper center",
+                bbox_to_anchor=(0.5, bottom),
+                ncol=columns,
+                frameon=False,
+            )
         fig.tight_layout(rect=(0, bottom, 1, 1))
 
     @staticmethod
@@ -258,8 +278,14 @@ class Painter(RunFigures, RateFigures, TraceFigures):
                 ax.plot(x, y, marker=self.markers[name], color=self.colours[name], label=label, linewidth=2)
                 for xi, yi, sessions in zip(x, y, rows["concurrency"], strict=True):
                     if not (np.isnan(xi) or np.isnan(yi)):
-                        ax.annotate(self.number(int(sessions), 0), (xi, yi), textcoords="offset points",
-                                    xytext=(5, 4), fontsize=8, color=self.colours[name])  # fmt: skip
+                        ax.annotate(
+                            self.number(int(sessions), 0),
+                            (xi, yi),
+                            textcoords="offset points",
+                            xytext=(5, 4),
+                            fontsize=8,
+                            color=self.colours[name],
+                        )
             ax.set_xlabel(self._("total output tokens/s (server)"))
             ax.set_ylabel(self._("decode tokens/s per session (p50)"))
             ax.set_xlim(left=0)
@@ -276,14 +302,21 @@ def draw_all(experiment: Experiment, tables: RunTables, out_dir: Path, lang: str
     # The report's catalogues carry the figures' words too.
     translations, locale = load_catalog(lang)
     # Drawn by concurrency: closed-loop cells; the open-loop ones by rate (RateFigures), from the summary's other rows.
-    everything = {name: pd.read_parquet(path) for name, path in tables.named(TABLES_READ).items()}
+    everything = {name: table_format.read(path) for name, path in tables.named(TABLES_READ).items()}
     read = {name: closed_loop(frame) for name, frame in everything.items()}
     summary = everything["summary"]
     open_rows = summary[summary["open_loop"].fillna(False).astype(bool)] if "open_loop" in summary else summary[:0]
     painter = Painter(
-        experiment, read["summary"], read["comparisons"], translations.gettext, str(locale), lang, read["requests"],
-        read["gateway"], open_rows,
-    )  # fmt: skip
+        experiment,
+        read["summary"],
+        read["comparisons"],
+        translations.gettext,
+        str(locale),
+        lang,
+        read["requests"],
+        read["gateway"],
+        open_rows,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for mode, spec in figure_specs(experiment):

@@ -38,8 +38,11 @@ LIST_COLUMNS = ("chunk_times_s", "chunk_tokens")
 def _stats_ms(values: list[float], name: str) -> dict[str, float]:
     """Upstream's mean/median/std/pNN of ``values`` (seconds) in ms; 0 where there is none, as upstream does."""
     arr = np.asarray(values or [0.0], dtype=float)
-    out = {f"mean_{name}_ms": float(np.mean(arr) * 1000), f"median_{name}_ms": float(np.median(arr) * 1000),
-           f"std_{name}_ms": float(np.std(arr) * 1000)}  # fmt: skip
+    out = {
+        f"mean_{name}_ms": float(np.mean(arr) * 1000),
+        f"median_{name}_ms": float(np.median(arr) * 1000),
+        f"std_{name}_ms": float(np.std(arr) * 1000),
+    }
     out.update({f"p{q}_{name}_ms": float(np.percentile(arr, q) * 1000) for q in PERCENTILES})
     return out
 
@@ -82,8 +85,7 @@ def bench_result(requests: pd.DataFrame, cell: dict[str, Any], model: str) -> di
         "mode": cell["mode"],
         "context": int(cell["context"]),
     }
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", [g for r in itls for g in r]),
-                         ("e2el", latencies)):  # fmt: skip
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", [g for r in itls for g in r]), ("e2el", latencies)):
         result.update(_stats_ms(values, name))
     return result
 
@@ -98,8 +100,7 @@ def _load(cell: dict[str, Any]) -> dict[str, Any]:
     pattern = cell.get("arrival_pattern")
     # A replayed trace has its own arrival times (AIPerf's fixed schedule): no burstiness, the pattern "trace".
     burstiness = None if pattern in ("constant", "trace") else float(cell.get("burstiness") or 1.0)
-    return {"request_rate": float(rate), "burstiness": burstiness, "max_concurrency": None,
-            "arrival_pattern": pattern}  # fmt: skip
+    return {"request_rate": float(rate), "burstiness": burstiness, "max_concurrency": None, "arrival_pattern": pattern}
 
 
 def write_bench_results(requests: pd.DataFrame, summary: pd.DataFrame, model: str, out_dir: Path) -> None:

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import FixedLocator, FuncFormatter
+from matplotlib.typing import ColorType
 
 from servegrid import modes
 from servegrid.analysis.requests_table import with_window
@@ -26,7 +27,7 @@ class RateFigures:
     experiment: Experiment
     open_summary: pd.DataFrame
     labels: dict[str, str]
-    colours: dict[str, object]
+    colours: dict[str, ColorType]
     markers: dict[str, str]
     _: Callable[[str], str]
 
@@ -59,10 +60,14 @@ class RateFigures:
         data = with_window(self.open_summary)
         window_order = [label for w in self.experiment.workloads.values() for label in w.windows]
         # A trace's windows are different traffic: a column each.
-        groups = sorted({(str(m), int(c), str(w)) for m, c, w in zip(data["mode"], data["context"], data["window"],
-                                                                     strict=True)},
-                        key=lambda g: (self.experiment.modes().index(g[0]) if g[0] in self.experiment.modes() else 99,
-                                       g[1], window_order.index(g[2]) if g[2] in window_order else 99))  # fmt: skip
+        groups = sorted(
+            {(str(m), int(c), str(w)) for m, c, w in zip(data["mode"], data["context"], data["window"], strict=True)},
+            key=lambda g: (
+                self.experiment.modes().index(g[0]) if g[0] in self.experiment.modes() else 99,
+                g[1],
+                window_order.index(g[2]) if g[2] in window_order else 99,
+            ),
+        )
         sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
         columns = max(1, len(groups))
         fig, grid = plt.subplots(2, columns, figsize=(max(6.0, 3.9 * columns + 1.2), 7.2), squeeze=False)
@@ -77,16 +82,31 @@ class RateFigures:
                 x = rows["offered_rate"].to_numpy(dtype=float)
                 style = {"color": self.colours[name], "marker": self.markers[name], "linewidth": 2}
                 top.plot(x, rows["ttft_s_p50"].to_numpy(dtype=float) * 1e3, label=label, **style)
-                top.plot(x, rows["ttft_s_p90"].to_numpy(dtype=float) * 1e3, linestyle="--", alpha=0.7,
-                         **{**style, "linewidth": 1.5})  # fmt: skip
+                top.plot(
+                    x,
+                    rows["ttft_s_p90"].to_numpy(dtype=float) * 1e3,
+                    linestyle="--",
+                    alpha=0.7,
+                    **{**style, "linewidth": 1.5},
+                )
                 goodput = rows["goodput_rps"].where(rows["goodput_rps"].notna(), rows["achieved_rate"])
                 bottom.plot(x, goodput.to_numpy(dtype=float), label=label, **style)
-                for ax, y in ((top, rows["ttft_s_p50"].to_numpy(dtype=float) * 1e3),
-                              (bottom, goodput.to_numpy(dtype=float))):  # fmt: skip
+                for ax, y in (
+                    (top, rows["ttft_s_p50"].to_numpy(dtype=float) * 1e3),
+                    (bottom, goodput.to_numpy(dtype=float)),
+                ):
                     saturated = rows["saturated"].fillna(False).astype(bool).to_numpy()
                     invalid = ~rows["valid"].astype(bool).to_numpy()
-                    ax.scatter(x[saturated], y[saturated], s=220, facecolors="none", edgecolors="black",
-                               linewidths=1.5, zorder=6, label=self._("saturated"))  # fmt: skip
+                    ax.scatter(
+                        x[saturated],
+                        y[saturated],
+                        s=220,
+                        facecolors="none",
+                        edgecolors="black",
+                        linewidths=1.5,
+                        zorder=6,
+                        label=self._("saturated"),
+                    )
                     ax.scatter(x[invalid], y[invalid], marker="x", s=90, color="black", zorder=6)
             bottom.plot(rates, rates, linestyle=":", color="grey", label=self._("offered rate"))
             for ax in (top, bottom):
@@ -97,8 +117,13 @@ class RateFigures:
                 ax.set_ylim(bottom=0)
                 self._axes_numbers(ax)
             windowed = any(w and m == mode for m, _c, w in groups)  # beside a window's column, say "whole trace"
-            where = (self._window_title(window) if window else self._("the whole trace") if windowed
-                     else self._context_title(mode, context))  # fmt: skip
+            where = (
+                self._window_title(window)
+                if window
+                else self._("the whole trace")
+                if windowed
+                else self._context_title(mode, context)
+            )
             top.set_title(f"{self._(modes.get(mode).short_title)}\n{where}", fontsize=9)
             top.set_ylabel(self._("TTFT, ms (p50 solid, p90 dashed)"))
             bottom.set_ylabel(self._("requests/s within the objectives"))

@@ -21,19 +21,34 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 
 from servegrid import atomic, modes
 from servegrid.analysis.requests_table import closed_loop, with_window
 from servegrid.analysis.verdict import CellSamples
 from servegrid.errors import ConfigError
-from servegrid.modes.arrivals import rate_label
+from servegrid.records import table_format
+from servegrid.records.cell_spec import rate_label
 from servegrid.reporting import terminal_summary
 from servegrid.stats import intervals
 
 # rate 0: a closed-loop cell; window "": not a trace window's cell
 KEYS = ["configuration", "mode", "context", "concurrency", "rate", "window"]
-COLUMNS = [*KEYS, "cell", "metric", "old_p50", "new_p50", "old_n", "new_n", "ratio", "ratio_ci_low", "ratio_ci_high",
-           "moved", "direction", "spec_changed"]  # fmt: skip
+COLUMNS = [
+    *KEYS,
+    "cell",
+    "metric",
+    "old_p50",
+    "new_p50",
+    "old_n",
+    "new_n",
+    "ratio",
+    "ratio_ci_low",
+    "ratio_ci_high",
+    "moved",
+    "direction",
+    "spec_changed",
+]
 
 
 def _run_tables(run: Path | str) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -41,8 +56,8 @@ def _run_tables(run: Path | str) -> tuple[pd.DataFrame, pd.DataFrame]:
     folder = Path(run)
     tables = folder / "tables" if (folder / "tables").is_dir() else folder
     try:
-        return pd.read_parquet(tables / "summary.parquet"), pd.read_parquet(tables / "requests.parquet")
-    except (OSError, ValueError) as exc:
+        return table_format.read(tables / "summary.parquet"), table_format.read(tables / "requests.parquet")
+    except (OSError, ValueError, pa.ArrowException) as exc:
         raise ConfigError(
             f"{run}: no summary.parquet and requests.parquet to compare ({exc}); give a run's results folder"
         ) from exc
@@ -72,19 +87,27 @@ def compare_runs(old: Path | str, new: Path | str, min_factor: float = 1.05) -> 
             moved = apart and max(ratio, 1 / ratio) >= min_factor
         else:
             low, high = new_samples.ratio_ci(key, key, old_samples)
-            moved = low is not None and (low > 1 or high < 1) and max(ratio, 1 / ratio) >= min_factor
+            moved = (
+                low is not None and high is not None and (low > 1 or high < 1) and max(ratio, 1 / ratio) >= min_factor
+            )
         higher_is_better = modes.get(cell["mode"]).primary.higher_is_better
-        rows.append({
-            **{k: cell[k] for k in KEYS},
-            "cell": f"{cell['configuration']}/{cell['mode']}/ctx{cell['context']}_{_load(cell)}",
-            "metric": cell["primary_metric_new"],
-            "old_p50": cell["primary_p50_old"], "new_p50": cell["primary_p50_new"],
-            "old_n": cell["primary_n_old"], "new_n": cell["primary_n_new"],
-            "ratio": ratio, "ratio_ci_low": low, "ratio_ci_high": high,
-            "moved": bool(moved),
-            "direction": None if not moved else "better" if (ratio > 1) == higher_is_better else "worse",
-            "spec_changed": cell["spec_hash_old"] != cell["spec_hash_new"],
-        })  # fmt: skip
+        rows.append(
+            {
+                **{k: cell[k] for k in KEYS},
+                "cell": f"{cell['configuration']}/{cell['mode']}/ctx{cell['context']}_{_load(cell)}",
+                "metric": cell["primary_metric_new"],
+                "old_p50": cell["primary_p50_old"],
+                "new_p50": cell["primary_p50_new"],
+                "old_n": cell["primary_n_old"],
+                "new_n": cell["primary_n_new"],
+                "ratio": ratio,
+                "ratio_ci_low": low,
+                "ratio_ci_high": high,
+                "moved": bool(moved),
+                "direction": None if not moved else "better" if (ratio > 1) == higher_is_better else "worse",
+                "spec_changed": cell["spec_hash_old"] != cell["spec_hash_new"],
+            }
+        )
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -99,19 +122,27 @@ def text(frame: pd.DataFrame, old: str, new: str) -> str:
     if frame.empty:
         return f"servegrid compare: {old} and {new} share no valid cell with a median"
     moved = frame[frame["moved"]]
-    lines = [f"servegrid compare: {len(frame)} cells in both runs, {len(moved)} moved beyond noise "
-             f"(old: {old}, new: {new})", ""]  # fmt: skip
+    lines = [
+        f"servegrid compare: {len(frame)} cells in both runs, {len(moved)} moved beyond noise (old: {old}, new: {new})",
+        "",
+    ]
     rows = [["cell", "metric", "old p50", "new p50", "new / old (95% CI)", "moved", "launch changed"]]
     ordered = pd.concat([moved, frame[~frame["moved"]]])
     for r in ordered.to_dict("records"):
         interval = (
             "" if intervals.missing(r["ratio_ci_low"]) else f" ({r['ratio_ci_low']:.3f}-{r['ratio_ci_high']:.3f})"
         )
-        rows.append([
-            str(r["cell"]), str(r["metric"]),
-            f"{r['old_p50']:.4g}", f"{r['new_p50']:.4g}", f"{r['ratio']:.3f}x{interval}",
-            r["direction"] if isinstance(r["direction"], str) else "-", "yes" if r["spec_changed"] else "",
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(r["cell"]),
+                str(r["metric"]),
+                f"{r['old_p50']:.4g}",
+                f"{r['new_p50']:.4g}",
+                f"{r['ratio']:.3f}x{interval}",
+                r["direction"] if isinstance(r["direction"], str) else "-",
+                "yes" if r["spec_changed"] else "",
+            ]
+        )
     return "\n".join(lines + terminal_summary.table(rows))
 
 

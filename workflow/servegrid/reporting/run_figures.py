@@ -17,6 +17,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.colors import Normalize
 from matplotlib.ticker import FuncFormatter
+from matplotlib.typing import ColorType
 from seaborn.utils import relative_luminance
 
 from servegrid import modes
@@ -35,7 +36,7 @@ class RunFigures:
     requests: pd.DataFrame
     gateway: pd.DataFrame
     labels: dict[str, str]
-    colours: dict[str, object]
+    colours: dict[str, ColorType]
     markers: dict[str, str]
     _: Callable[[str], str]
 
@@ -60,8 +61,12 @@ class RunFigures:
         """Per mode, its heaviest cell group (largest context, then most sessions): the distribution of every
         configuration's TTFT (the mode's primary turn) and of its per-token inter-token latency."""
         sns.set_theme(style="whitegrid", context="paper", font_scale=1.15)
-        fig, grid = plt.subplots(2, max(1, len(self.experiment.modes())), squeeze=False,
-                                 figsize=(3.9 * max(1, len(self.experiment.modes())) + 1.2, 7.0))  # fmt: skip
+        fig, grid = plt.subplots(
+            2,
+            max(1, len(self.experiment.modes())),
+            squeeze=False,
+            figsize=(3.9 * max(1, len(self.experiment.modes())) + 1.2, 7.0),
+        )
         requests = self.requests
         for column, mode in enumerate(self.experiment.modes()):
             ttft_ax, itl_ax = grid[0][column], grid[1][column]
@@ -74,9 +79,13 @@ class RunFigures:
             cells = valid_cells if len(valid_cells) else cells  # the heaviest load measured validly, if any
             context = int(cells["context"].max())
             concurrency = int(cells.loc[cells["context"] == context, "concurrency"].max())
-            rows = requests[(requests["mode"] == mode) & (requests["context"] == context)
-                            & (requests["concurrency"] == concurrency) & (requests["phase"] == "measured")
-                            & requests["valid"].astype(bool)]  # fmt: skip
+            rows = requests[
+                (requests["mode"] == mode)
+                & (requests["context"] == context)
+                & (requests["concurrency"] == concurrency)
+                & (requests["phase"] == "measured")
+                & requests["valid"].astype(bool)
+            ]
             turn = modes.get(mode).primary.turn
             for name, label in self.labels.items():
                 mine = rows[rows["configuration"] == name]
@@ -86,13 +95,16 @@ class RunFigures:
                 style = {"color": self.colours[name], "label": label, "linewidth": 2, "linestyle": dash}
                 ttft = mine if turn is None else mine[mine["turn"] == turn]
                 sns.ecdfplot(x=ttft["ttft_s"].to_numpy(dtype=float), ax=ttft_ax, **style)
-                itl = np.concatenate([per_token_itl(t, k) for t, k in zip(mine["chunk_times_s"], mine["chunk_tokens"],
-                                      strict=True)] or [np.empty(0)])  # fmt: skip
+                itl = np.concatenate(
+                    [per_token_itl(t, k) for t, k in zip(mine["chunk_times_s"], mine["chunk_tokens"], strict=True)]
+                    or [np.empty(0)]
+                )
                 if itl.size:
                     sns.ecdfplot(x=itl * 1000, ax=itl_ax, **style)
             sessions = self._("%(sessions)s concurrent sessions") % {"sessions": self.number(concurrency, 0)}
-            ttft_ax.set_title(f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}, "
-                              f"{sessions}", fontsize=9)  # fmt: skip
+            ttft_ax.set_title(
+                f"{self._(modes.get(mode).short_title)}\n{self._context_title(mode, context)}, {sessions}", fontsize=9
+            )
             ttft_ax.set_xlabel(self._("TTFT (s)"))
             itl_ax.set_xlabel(self._("inter-token latency per token (ms)"))
             for ax in (ttft_ax, itl_ax):
@@ -118,11 +130,23 @@ class RunFigures:
             for name, label in self.labels.items():
                 rows = cells[cells["configuration"] == name].sort_values("concurrency")
                 if len(rows):
-                    ax.plot(rows["concurrency"], rows["goodput_rps"].astype(float), marker=self.markers[name],
-                            color=self.colours[name], label=label, linewidth=2)  # fmt: skip
+                    ax.plot(
+                        rows["concurrency"],
+                        rows["goodput_rps"].astype(float),
+                        marker=self.markers[name],
+                        color=self.colours[name],
+                        label=label,
+                        linewidth=2,
+                    )
                     invalid = rows[~rows["valid"].astype(bool)]  # marked × as in every other figure
-                    ax.scatter(invalid["concurrency"], invalid["goodput_rps"].astype(float), marker="x", s=90,
-                               color="black", zorder=5)  # fmt: skip
+                    ax.scatter(
+                        invalid["concurrency"],
+                        invalid["goodput_rps"].astype(float),
+                        marker="x",
+                        s=90,
+                        color="black",
+                        zorder=5,
+                    )
             self._concurrency_axis(ax, sorted(int(c) for c in cells["concurrency"].unique()))
             ax.set_ylabel(self._("requests/s within the objectives"))
             ax.set_ylim(bottom=0)
@@ -146,8 +170,12 @@ class RunFigures:
             ax.text(0.5, 0.5, self._("One configuration: nothing to compare."), ha="center", va="center")
             return fig
         row_height = min(3.0, 13.0 / len(others))  # many configurations: flatter rows, so the page holds them
-        fig, grid = plt.subplots(len(others), len(compared), figsize=(3.9 * len(compared) + 1.2,
-                                 row_height * len(others) + 0.8), squeeze=False)  # fmt: skip
+        fig, grid = plt.subplots(
+            len(others),
+            len(compared),
+            figsize=(3.9 * len(compared) + 1.2, row_height * len(others) + 0.8),
+            squeeze=False,
+        )
         valid = self.summary[self.summary["valid"].astype(bool)] if len(self.summary) else self.summary
         for row, name in enumerate(others):
             for column, mode in enumerate(compared):
@@ -185,8 +213,11 @@ class RunFigures:
         rows, columns = values.shape
         ax.set_xlim(0, columns)
         ax.set_ylim(rows, 0)
-        ax.set_xticks(np.arange(columns) + 0.5, [self.number(int(c), 0) for c in ratios.columns],
-                      rotation=90 if columns > 8 else 0)  # fmt: skip
+        ax.set_xticks(
+            np.arange(columns) + 0.5,
+            [self.number(int(c), 0) for c in ratios.columns],
+            rotation=90 if columns > 8 else 0,
+        )
         ax.set_yticks(np.arange(rows) + 0.5, [self.number(int(c), 0) for c in ratios.index])
         ax.grid(False)
         for spine in ax.spines.values():
@@ -194,8 +225,14 @@ class RunFigures:
         for (row, column), value in np.ndenumerate(values):
             if not np.isnan(value):  # dark text on light cells, white on dark ones (seaborn's own threshold)
                 light = relative_luminance(colours(scale(value))) > 0.408
-                ax.text(column + 0.5, row + 0.5, self.number(float(ratios.iat[row, column]), 1) + "×", ha="center",
-                        va="center", color=".15" if light else "w")  # fmt: skip
+                ax.text(
+                    column + 0.5,
+                    row + 0.5,
+                    self.number(float(ratios.iat[row, column]), 1) + "×",
+                    ha="center",
+                    va="center",
+                    color=".15" if light else "w",
+                )
 
     @staticmethod
     def _ratios(valid: pd.DataFrame, mode: str, name: str, baseline: str) -> pd.DataFrame:
@@ -225,8 +262,9 @@ class RunFigures:
             ax.axis("off")
             ax.text(0.5, 0.5, self._("No cell was measured both ways."), ha="center", va="center")
             return fig
-        fig, grid = plt.subplots(len(figures), len(compared), figsize=(3.9 * len(compared) + 1.2, 2.8 * len(figures)
-                                 + 0.8), squeeze=False)  # fmt: skip
+        fig, grid = plt.subplots(
+            len(figures), len(compared), figsize=(3.9 * len(compared) + 1.2, 2.8 * len(figures) + 0.8), squeeze=False
+        )
         for column, mode in enumerate(compared):
             cells = self.gateway[self.gateway["mode"] == mode]
             groups = sorted({(int(c), int(s)) for c, s in zip(cells["context"], cells["concurrency"], strict=True)})
@@ -237,14 +275,26 @@ class RunFigures:
                     rows = cells[cells["configuration"] == configuration]
                     if rows.empty:
                         continue
-                    rows = rows.assign(x=[position[(int(c), int(s))] for c, s in zip(rows["context"],
-                                          rows["concurrency"], strict=True)]).sort_values("x")  # fmt: skip
+                    rows = rows.assign(
+                        x=[
+                            position[(int(c), int(s))]
+                            for c, s in zip(rows["context"], rows["concurrency"], strict=True)
+                        ]
+                    ).sort_values("x")
                     y = rows[f"{name}_added_p50_s"].to_numpy(dtype=float) * 1e3
                     low = rows[f"{name}_added_p50_ci_low_s"].to_numpy(dtype=float) * 1e3
                     high = rows[f"{name}_added_p50_ci_high_s"].to_numpy(dtype=float) * 1e3
                     spread = [np.abs(y - low), np.abs(high - y)]
-                    ax.errorbar(rows["x"], y, yerr=spread, marker=self.markers[configuration], label=label,
-                                color=self.colours[configuration], linewidth=2, capsize=3)  # fmt: skip
+                    ax.errorbar(
+                        rows["x"],
+                        y,
+                        yerr=spread,
+                        marker=self.markers[configuration],
+                        label=label,
+                        color=self.colours[configuration],
+                        linewidth=2,
+                        capsize=3,
+                    )
                 ax.axhline(0, color="#444444", linewidth=0.8)
                 ax.set_xticks(range(len(groups)))
                 ax.set_xticklabels([f"{self.number(c, 0)} / {s}" for c, s in groups], rotation=30, fontsize=8)

@@ -16,10 +16,17 @@ from servegrid import modes, paths
 from servegrid.analysis.aggregation import refused_configurations
 from servegrid.config import Experiment
 from servegrid.errors import UnknownModeError
+from servegrid.records import table_format
 from servegrid.stats import intervals
 
-OUTCOME = {"win": "wins", "mixed": "wins most", "shared": "lead together", "tie": "tie", "kv_limit": "neither",
-           "no_data": "no data"}  # fmt: skip
+OUTCOME = {
+    "win": "wins",
+    "mixed": "wins most",
+    "shared": "lead together",
+    "tie": "tie",
+    "kv_limit": "neither",
+    "no_data": "no data",
+}
 
 
 def _class_title(class_id: str) -> str:
@@ -55,8 +62,8 @@ def text(experiment: Experiment) -> str:
     summary_path, verdict_path = Path(paths.SUMMARY_TABLE), Path(paths.VERDICT_TABLE)
     if not summary_path.exists() or not verdict_path.exists():
         return f"servegrid: no tables yet ({paths.SUMMARY_TABLE}); run the pipeline's report target first"
-    summary = pd.read_parquet(summary_path)
-    verdict = pd.read_parquet(verdict_path)
+    summary = table_format.read(summary_path)
+    verdict = table_format.read(verdict_path)
     invalid = summary[~summary["valid"].astype(bool)]
     imprecise = int(summary["precise"].eq(False).sum()) if "precise" in summary else 0  # None: a fixed count
     lines = [
@@ -75,6 +82,7 @@ def text(experiment: Experiment) -> str:
     lines += _rate_lines()
     lines += _gateway_lines(experiment)
     lines += _refused_lines()
+    lines += _older_format_lines(summary)
     if len(invalid):
         lines += ["", "Invalid cells (measured, not compared):"]
         lines += [f"  {r['cell_id']}: {r['invalid_reasons']}" for r in invalid.to_dict("records")]
@@ -92,7 +100,7 @@ def _rate_lines() -> list[str]:
     """The verdict in rates (open-loop cells, rates.parquet): each configuration's highest sustained offered rate
     (a replayed trace: and speedup), the next one measured, and what stopped it there."""
     rates_path = Path(paths.RATES_TABLE)
-    rates = pd.read_parquet(rates_path) if rates_path.exists() else pd.DataFrame()
+    rates = table_format.read(rates_path) if rates_path.exists() else pd.DataFrame()
     if rates.empty:
         return []
 
@@ -104,20 +112,44 @@ def _rate_lines() -> list[str]:
     rows = [["workload", "context/window", "configuration", "sustains", "not at", "stopped by"]]
     for r in rates.to_dict("records"):
         trace = not (intervals.missing(r.get("sustainable_speedup")) and intervals.missing(r.get("speedup_below")))
-        rows.append([
-            modes.get(r["mode"]).short_title, (r.get("window") or "-") if trace else f"{int(r['context']):,}",
-            r["configuration"] + (" *" if r["winner"] else ""),
-            rate(r["sustainable_rate"], r.get("sustainable_speedup")), rate(r["capacity_below"], r.get("speedup_below"))
-            if not intervals.missing(r["capacity_below"]) else "-",
-            "" if intervals.missing(r.get("stopped_by")) else str(r["stopped_by"]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                modes.get(r["mode"]).short_title,
+                (r.get("window") or "-") if trace else f"{int(r['context']):,}",
+                r["configuration"] + (" *" if r["winner"] else ""),
+                rate(r["sustainable_rate"], r.get("sustainable_speedup")),
+                rate(r["capacity_below"], r.get("speedup_below"))
+                if not intervals.missing(r["capacity_below"])
+                else "-",
+                "" if intervals.missing(r.get("stopped_by")) else str(r["stopped_by"]),
+            ]
+        )
     return ["", "Verdict in rates (open loop; * the highest)", *table(rows)]
+
+
+def _older_format_lines(summary: pd.DataFrame) -> list[str]:
+    """Cells read from an older cell-file format that lacks some of today's columns: kept and compared, and which
+    columns re-measuring them would fill (servegrid.records.cell_format)."""
+    if "older_format_lacks" not in summary:
+        return []
+    older = summary[summary["older_format_lacks"].fillna("").astype(str) != ""]
+    if older.empty:
+        return []
+    heading = (
+        f"Read from an older cell-file format ({len(older)} cells, kept and compared; re-measure a cell with "
+        "--forcerun <its file> to get what it lacks):"
+    )
+    lines = ["", heading]
+    for lacking, cells in older.groupby("older_format_lacks", sort=False):
+        shown = ", ".join(cells["cell_id"].head(3)) + (f" and {len(cells) - 3} more" if len(cells) > 3 else "")
+        lines.append(f"  {shown}: lacks {lacking}")
+    return lines
 
 
 def _refused_lines() -> list[str]:
     """The configurations whose engine died at its first request on every server it got, with its reason."""
     servers_path = Path(paths.SERVERS_TABLE)
-    servers = pd.read_parquet(servers_path) if servers_path.exists() else pd.DataFrame()
+    servers = table_format.read(servers_path) if servers_path.exists() else pd.DataFrame()
     refused = refused_configurations(servers)
     if not refused:
         return []
@@ -132,11 +164,14 @@ def _gateway_lines(experiment: Experiment) -> list[str]:
     added_path, changes_path = Path(paths.GATEWAY_TABLE), Path(paths.GATEWAY_VERDICT_TABLE)
     if experiment.route != "both" or not added_path.exists():
         return []
-    added = pd.read_parquet(added_path)
+    added = table_format.read(added_path)
     if added.empty:
         return []
-    lines = ["", f"Through the gateway ({len(added)} cells both ways): added p50 by concurrency, median over its cells "
-             "[min, max]"]  # fmt: skip
+    lines = [
+        "",
+        f"Through the gateway ({len(added)} cells both ways): added p50 by concurrency, median over its cells "
+        "[min, max]",
+    ]
     for figure, name in (("ttft", "TTFT"), ("tpot", "per-token ITL (TPOT)"), ("e2e", "e2e")):
         parts = []
         for sessions, cells in added.groupby("concurrency"):
@@ -145,7 +180,7 @@ def _gateway_lines(experiment: Experiment) -> list[str]:
                 parts.append(f"{int(sessions)} x: {values.median():+.1f} ms [{values.min():+.1f}, {values.max():+.1f}]")
         if parts:
             lines.append(f"  {name}: " + "; ".join(parts))
-    changes = pd.read_parquet(changes_path) if changes_path.exists() else pd.DataFrame()
+    changes = table_format.read(changes_path) if changes_path.exists() else pd.DataFrame()
     changed = changes[changes["changed"].astype(bool)] if len(changes) else changes
     lines.append(
         "  verdict unchanged through it"

@@ -71,9 +71,14 @@ class TraceFigures:
 
         # Within each window: a cell sends none of the trace's requests before its window.
         reusable = [trace.reusable_tokens(t, PrefixCache()) for t in replays]
-        share = np.array([own[(i, turn)] / r.input_tokens for t, own in zip(replays, reusable, strict=True)
-                          for i, c in enumerate(t.conversations)
-                          for turn, r in enumerate(c.turns, start=1)])  # fmt: skip
+        share = np.array(
+            [
+                own[(i, turn)] / r.input_tokens
+                for t, own in zip(replays, reusable, strict=True)
+                for i, c in enumerate(t.conversations)
+                for turn, r in enumerate(c.turns, start=1)
+            ]
+        )
         reuse_ax.hist(share * 100, bins=np.linspace(0, 100, 21), color="0.35")
         total = sum(sum(own.values()) for own in reusable) / float(prompts.sum())
         reuse_ax.axvline(total * 100, color="tab:red", linestyle="--")

@@ -113,7 +113,7 @@ def model_list(experiment: Experiment, upstreams: dict[str, str], identity: str 
         "api_key": f"os.environ/{key_env}" if key_env else "none",
         **dict(proxy.model_params or {}),
     }
-    entries = [
+    entries: list[dict[str, Any]] = [
         {"model_name": name, "litellm_params": {**params, "api_base": f"{url}/v1"}}
         for name, url in sorted(upstreams.items())
     ]
@@ -270,10 +270,16 @@ def _finish_start(
 ) -> GatewayFacts:
     try:
         launch.wait_healthy(
-            LiteLLMProbe({"Authorization": f"Bearer {up.key}"}), "the gateway (LiteLLM proxy)", up.url, {},
-            up.record_path, up.log_path, (proxy.startup_timeout_s, "proxy.startup_timeout_s"),
-            launch.identity(up.session), "gateway",
-        )  # fmt: skip
+            LiteLLMProbe({"Authorization": f"Bearer {up.key}"}),
+            "the gateway (LiteLLM proxy)",
+            up.url,
+            {},
+            up.record_path,
+            up.log_path,
+            (proxy.startup_timeout_s, "proxy.startup_timeout_s"),
+            launch.identity(up.session),
+            "gateway",
+        )
     except BaseException as exc:
         with state.locked(runtime):
             record = state.read(up.record_path)
@@ -292,8 +298,14 @@ def _finish_start(
         startup_s=round(time.monotonic() - up.started, 3),
         model_list=[{**e, "litellm_params": redact.env(e["litellm_params"])} for e in model_list(experiment, live)],
     )
-    atomic.write_json(state.facts_path(runtime, state.GATEWAY), asdict(facts))
-    log.info("gateway %s up at %s in %.1f s (started %s), serving %s", up.version, up.url, facts.startup_s,
-             up.started_at, ", ".join(sorted(live)))  # fmt: skip
+    state.write(state.facts_path(runtime, state.GATEWAY), asdict(facts))
+    log.info(
+        "gateway %s up at %s in %.1f s (started %s), serving %s",
+        up.version,
+        up.url,
+        facts.startup_s,
+        up.started_at,
+        ", ".join(sorted(live)),
+    )
     log.debug("gateway argv: %s", json.dumps(redact.argv(up.argv)))
     return facts

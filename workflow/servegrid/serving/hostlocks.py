@@ -18,6 +18,7 @@ import fcntl
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -73,33 +74,57 @@ def gpu_claim(gpu: int) -> str:
     return f"job{job}-gpu{gpu}" if job else f"gpu{gpu}"
 
 
+# A holder that has just ended still holds its claims for a moment: measured here, a claim refused right after its
+# supervisor was gone from every process's open files was granted 1 ms later (the kernel's release of an exiting
+# process's locks can trail its exit; our reading, not proven). A refusal is therefore only believed once it has
+# lasted this long; a claim really held by a running pipeline costs this much more to report.
+EXITING_HOLDER_GRACE_S = 2.0
+
+
 @contextlib.contextmanager
-def claims(gpus: Sequence[int], ports: Sequence[int], port_free: Callable[[int], bool], holder: str) -> Iterator[
-    tuple[int, list[int]]
-]:  # fmt: skip
+def claims(
+    gpus: Sequence[int], ports: Sequence[int], port_free: Callable[[int], bool], holder: str
+) -> Iterator[tuple[int, list[int]]]:
     """Claim every GPU of ``gpus`` and the first port of ``ports`` that no pipeline claims and
     ``port_free`` accepts; yields ``(port, fds)``. The fds are closed on exit: pass them to the
     process that must keep the claims (``subprocess.Popen(pass_fds=...)``) before that."""
+    deadline = time.monotonic() + EXITING_HOLDER_GRACE_S
     held: list[int] = []
     try:
-        for gpu in gpus:
-            fd = _try_claim(gpu_claim(gpu), holder)
-            if fd is None:
-                raise ServerError(
-                    f"GPU {gpu} is in use by another servegrid pipeline's server ({_holder(gpu_claim(gpu))})"
-                )
-            held.append(fd)
-        for port in ports:
-            fd = _try_claim(f"port{port}", holder)
-            if fd is None:
-                continue
-            if port_free(port):
-                held.append(fd)
-                yield port, held
-                return
-            os.close(fd)
-        raise ServerError(f"no free port in operations.port_range {ports[0]}-{ports[-1]}: each is in use on this "
-                          "host or claimed by another servegrid pipeline")  # fmt: skip
+        while True:
+            try:
+                port = _claim_all(gpus, ports, port_free, holder, held)
+                break
+            except ServerError:
+                if time.monotonic() >= deadline:
+                    raise
+            while held:
+                os.close(held.pop())
+            time.sleep(0.01)
+        yield port, held  # outside the retry: an error of the caller's is never taken for a refused claim
     finally:
         for fd in held:
             os.close(fd)
+
+
+def _claim_all(
+    gpus: Sequence[int], ports: Sequence[int], port_free: Callable[[int], bool], holder: str, held: list[int]
+) -> int:
+    """One attempt at :func:`claims`, adding each claim taken to ``held``: the port, or :class:`ServerError`."""
+    for gpu in gpus:
+        fd = _try_claim(gpu_claim(gpu), holder)
+        if fd is None:
+            raise ServerError(f"GPU {gpu} is in use by another servegrid pipeline's server ({_holder(gpu_claim(gpu))})")
+        held.append(fd)
+    for port in ports:
+        fd = _try_claim(f"port{port}", holder)
+        if fd is None:
+            continue
+        if port_free(port):
+            held.append(fd)
+            return port
+        os.close(fd)
+    raise ServerError(
+        f"no free port in operations.port_range {ports[0]}-{ports[-1]}: each is in use on this "
+        "host or claimed by another servegrid pipeline"
+    )

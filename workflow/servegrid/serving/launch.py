@@ -47,20 +47,38 @@ def identity(session: str) -> str:
 
 
 def port_bindable(runtime: Runtime, port: int) -> bool:
-    """Whether nothing holds ``port``: a bind with neither SO_REUSEADDR nor SO_REUSEPORT succeeds.
+    """Whether nothing holds ``port``: a bind with neither SO_REUSEADDR nor SO_REUSEPORT succeeds, or the port's
+    only sockets are connections in TIME_WAIT.
 
     Stricter than the server's own bind on purpose. A server still loading its weights may hold its port bound
     and not yet listening (vLLM binds before it loads), with SO_REUSEADDR (and SO_REUSEPORT with several API
     servers); a probe that set either option could bind beside it and call the port free, and a second server
-    would then join it. The price: a port with a connection in TIME_WAIT from the previous server looks taken
-    for a minute, and the next port of the range is used.
+    would then join it. The previous server's connections in TIME_WAIT fail the strict bind too, for a minute
+    after it ended (issue 42: with a one-port ``port_range`` the next configuration could not start): they hold
+    no server, and the servers' own binds (vLLM's, uvicorn's, aiohttp's) set SO_REUSEADDR, which the kernel lets
+    bind beside them. The one case this lets through, a foreign server bound and loading on a port that still has
+    our previous server's connections in TIME_WAIT, costs a start: the later of the two to listen fails to bind,
+    and servegrid starts its server once more on another port (``PORT_RACED``).
     """
     with socket.socket(socket.AF_INET6 if ":" in runtime.host else socket.AF_INET) as probe:
         try:
             probe.bind((runtime.host, port))
         except OSError:
-            return False
+            return only_time_wait(port)
     return True
+
+
+def only_time_wait(port: int) -> bool:
+    """Whether every TCP socket on local ``port`` that the kernel lists is a connection in TIME_WAIT (a bound
+    socket that is not listening is not listed: :func:`port_bindable`'s strict bind is what finds those)."""
+    try:
+        states = {c.status for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port}
+    except psutil.Error:
+        return False
+    if states == {psutil.CONN_TIME_WAIT}:
+        log.info("port %d: only connections in TIME_WAIT hold it (a previous server's); used", port)
+        return True
+    return False
 
 
 def new_session() -> str:
@@ -111,7 +129,7 @@ def launch_supervised(
         # the launch file is owner-only all the same.
         with atomic.atomic_path(launch_path) as tmp:
             os.chmod(tmp, 0o600)  # before anything is written to it
-            tmp.write_text(json.dumps(launch), encoding="utf-8")
+            tmp.write_text(json.dumps(state.stamped(launch)), encoding="utf-8")
         record_path.unlink(missing_ok=True)
         state.facts_path(runtime, name).unlink(missing_ok=True)
         state.failure_path(runtime, name).unlink(missing_ok=True)
@@ -189,8 +207,11 @@ def wait_healthy(
                 last = log_tail(log_path, 1).strip()[:200] or "(nothing logged yet)"
                 log.info(
                     "%s starting: %s of at most %s; its log says: %s",
-                    short_name, progress.duration(time.monotonic() - started), progress.duration(timeout_s), last,
-                )  # fmt: skip
+                    short_name,
+                    progress.duration(time.monotonic() - started),
+                    progress.duration(timeout_s),
+                    last,
+                )
             record = state.read(record_path)
             if record and identity(record.get("session", "")) != expected_name:
                 record = None  # an earlier session's last words, not this launch's

@@ -104,7 +104,7 @@ SESSION_ENV = "SERVEGRID_SESSION"
 
 def in_session(proc: psutil.Process, session: str) -> bool:
     try:
-        return proc.environ().get(SESSION_ENV) == session
+        return bool(proc.environ().get(SESSION_ENV) == session)
     except psutil.Error:  # gone, or another user's: not ours
         return False
 
@@ -178,14 +178,18 @@ def terminate_group(
     return {"sigterm": len(first), "sigkill": len(leftovers)}
 
 
-def watch(ref: ProcessRef, on_gone: Callable[[], None], interval_s: float = 0.5) -> threading.Event:
-    """Call ``on_gone()`` (once, from a daemon thread) when ``ref`` disappears; set the returned event to stop."""
+def watch(
+    ref: ProcessRef, on_gone: Callable[[], None], interval_s: float = 0.5, grace_s: float = 0.0
+) -> threading.Event:
+    """Call ``on_gone()`` (once, from a daemon thread) when ``ref`` disappears, unless the returned event is set
+    within ``grace_s`` of that (the watcher's work ended on its own meanwhile); set the event to stop watching."""
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.wait(interval_s):
-            if not ref.alive() and not stop.is_set():
-                on_gone()
+            if not ref.alive():
+                if not stop.wait(grace_s):
+                    on_gone()
                 return
 
     threading.Thread(target=poll, name=f"watch-{ref.pid}", daemon=True).start()

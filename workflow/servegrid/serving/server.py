@@ -1,6 +1,6 @@
 """Bring inference servers up, reuse them across cells, and take them down.
 
-It runs over 300 lines: reuse, rivals, launch and the wait for health are one
+Reuse, rivals, launch and the wait for health are one
 protocol, each step stopping or replacing servers that the others start
 (the stops themselves are :mod:`servegrid.serving.teardown`'s).
 
@@ -30,14 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from servegrid import atomic, engines, redact
+from servegrid import engines, redact
 from servegrid.config import spec_hash
 from servegrid.control_http import control_client
 from servegrid.engines import Engine
 from servegrid.errors import EngineRefused, ServerError, StartRaced
-from servegrid.serving import first_request, hostinfo, procs, state
+from servegrid.serving import first_request, hostinfo, liveness, procs, state
 from servegrid.serving.launch import identity, launch_supervised, new_session, wait_healthy
 from servegrid.serving.state import Runtime, ServerFacts, lease
 from servegrid.serving.teardown import discard, status, stop, stop_all, stop_record
@@ -85,8 +83,9 @@ def owner_from_env() -> procs.ProcessRef | None:
             f"{OWNER_ENV}={raw!r} is not 'pid:start-ticks:boot-id' (servegrid.serving.server.owner_token)"
         ) from None
     if not owner.alive():
-        raise ServerError(f"the Snakemake process ({OWNER_ENV}={raw}) that runs this job is gone: no server is "
-                          "started for it")  # fmt: skip
+        raise ServerError(
+            f"the Snakemake process ({OWNER_ENV}={raw}) that runs this job is gone: no server is started for it"
+        )
     return owner
 
 
@@ -142,12 +141,15 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
     configuration's server meanwhile. The host's state lock is held only while deciding and launching: the wait
     for health and the warm-up (minutes on a GPU) run outside it, so another configuration's cell can reuse,
     start or stop its own server in the meantime.
-    A start that met a passing condition (:class:`StartRaced`) is made once more; a second failure is final.
+    A start that met a passing condition (:class:`StartRaced`) is made once more; a second failure is final. So is
+    an engine's death of its own error at its first request (:class:`EngineRefused`): refused only when the second
+    start dies of the same root cause.
     """
     configuration = spec["configuration"]
     engine = engines.get(spec["engine"])
     wanted = spec_hash(spec)
     raced: StartRaced | None = None
+    refused_once: EngineRefused | None = None
     while True:
         with state.locked(runtime):
             decided = _reuse_or_launch(spec, engine, wanted, runtime, owner)
@@ -158,28 +160,57 @@ def ensure(spec: dict[str, Any], runtime: Runtime, owner: procs.ProcessRef | Non
             continue
         try:
             return _finish_start(spec, engine, wanted, runtime, decided)
+        except EngineRefused as exc:
+            # A refusal is the configuration's result for good (its cells are written as refused): only the same
+            # root cause on a second fresh start makes it one (issue 42: a death of the moment was taken for one).
+            if refused_once is None:
+                refused_once = exc
+                log.warning(
+                    "server %s: its engine died of its own error at its first request (%s); starting it once more: "
+                    "the same error again is the configuration's refusal",
+                    configuration,
+                    exc.reason,
+                )
+                continue
+            failure: ServerError = exc
+            if exc.reason != refused_once.reason:
+                failure = ServerError(
+                    f"the engine of configuration '{configuration}' died at its first request on two starts, of two "
+                    f"errors: {refused_once.reason}; then {exc.reason}. Not a refusal: a failed start\n{exc}"
+                )
+            record_failure(runtime, configuration, wanted, owner, failure)
+            raise failure from exc
         except StartRaced as exc:
             if raced is None:
                 raced = exc
-                log.warning("server %s: start-up failed for a passing reason, starting it once more: %s",
-                            configuration, str(exc).splitlines()[0])  # fmt: skip
+                log.warning(
+                    "server %s: start-up failed for a passing reason, starting it once more: %s",
+                    configuration,
+                    str(exc).splitlines()[0],
+                )
                 continue
-            _record_failure(runtime, configuration, wanted, owner, exc)
+            record_failure(runtime, configuration, wanted, owner, exc)
             raise
         except ServerError as exc:
-            _record_failure(runtime, configuration, wanted, owner, exc)
+            record_failure(runtime, configuration, wanted, owner, exc)
             raise
 
 
-def _record_failure(
+def record_failure(
     runtime: Runtime, configuration: str, wanted: str, owner: procs.ProcessRef | None, exc: ServerError
 ) -> None:
+    """Record that ``configuration``'s spec failed in ``owner``'s run: its other cells of that run fail at once,
+    without a start (a failed start, or an engine that died of its own error during a cell)."""
     refused = isinstance(exc, EngineRefused) and {"reason": exc.reason, "server": exc.server}
-    atomic.write_json(
+    state.write(
         state.failure_path(runtime, configuration),
-        {"spec_hash": wanted, "owner": owner.to_dict() if owner else None, "message": str(exc),
-         "refused": refused or None},
-    )  # fmt: skip
+        {
+            "spec_hash": wanted,
+            "owner": owner.to_dict() if owner else None,
+            "message": str(exc),
+            "refused": refused or None,
+        },
+    )
 
 
 def _reuse_or_launch(
@@ -193,7 +224,9 @@ def _reuse_or_launch(
     if record and state.supervised(record):
         if record["spec_hash"] != wanted or not facts:
             stop_record(record, runtime, reason="replaced by a server with another spec")
-        elif _healthy(engine, record, spec) and _answers(engine, record, facts, spec, runtime):
+        elif liveness.healthy(engine, record, auth_headers(spec)) and liveness.answers(
+            engine, record, facts, spec, runtime, auth_headers(spec)
+        ):
             return ServerFacts(**facts)
         else:
             # Its health check can say 200 while its engine is stuck: a hung server is replaced, not
@@ -271,22 +304,41 @@ def _finish_start(spec: dict[str, Any], engine: Engine, wanted: str, runtime: Ru
     session, url, log_path, argv, env, started_at = up.session, up.url, up.log_path, up.argv, up.env, up.started_at
     try:
         wait_healthy(
-            engine, f"the server for configuration '{configuration}'", url, auth_headers(spec), up.record_path,
-            log_path, (runtime.startup_timeout_s, "operations.startup_timeout_s"), identity(session),
+            engine,
+            f"the server for configuration '{configuration}'",
+            url,
+            auth_headers(spec),
+            up.record_path,
+            log_path,
+            (runtime.startup_timeout_s, "operations.startup_timeout_s"),
+            identity(session),
             f"server {configuration}",
-        )  # fmt: skip
+        )
         startup_s = time.monotonic() - up.started
         with control_client(600.0, auth_headers(spec)) as client:
-            warm_started = time.monotonic()
-            first_request.warm_up(
-                engine, client, url, spec["served_name"], configuration, log_path,
-                lambda: {"configuration": configuration, "engine": engine.kind, "session": session,
-                         "spec_hash": wanted, "url": url, "argv": redact.argv(argv), "env": engine.public_env(env),
-                         "gpus": runtime.gpus, "cpus": runtime.cpus, "log_path": str(log_path),
-                         "startup_s": round(startup_s, 3), "started_at": started_at,
-                         "host": hostinfo.describe(runtime.gpus)},
-            )  # fmt: skip
-            warmup_s = time.monotonic() - warm_started
+            warmup_s, warmup_cache = first_request.warm_up(
+                engine,
+                client,
+                url,
+                spec["served_name"],
+                configuration,
+                log_path,
+                lambda: {
+                    "configuration": configuration,
+                    "engine": engine.kind,
+                    "session": session,
+                    "spec_hash": wanted,
+                    "url": url,
+                    "argv": redact.argv(argv),
+                    "env": engine.public_env(env),
+                    "gpus": runtime.gpus,
+                    "cpus": runtime.cpus,
+                    "log_path": str(log_path),
+                    "startup_s": round(startup_s, 3),
+                    "started_at": started_at,
+                    "host": hostinfo.describe(runtime.gpus),
+                },
+            )
             described = engine.describe(client, url, spec["served_name"])
     except BaseException:
         with state.locked(runtime):
@@ -295,7 +347,7 @@ def _finish_start(spec: dict[str, Any], engine: Engine, wanted: str, runtime: Ru
                 stop_record(record, runtime, reason="start-up failed")
         raise
     capacity = engine.startup_facts(log_path.read_text(encoding="utf-8", errors="replace"))
-    prefix_cache = engine.prefix_cache(described, spec.get("speculative"))
+    prefix_cache = engine.prefix_cache(described, spec.get("speculative"), capacity)
     facts = ServerFacts(
         configuration=configuration,
         engine=engine.kind,
@@ -319,41 +371,9 @@ def _finish_start(spec: dict[str, Any], engine: Engine, wanted: str, runtime: Ru
         cache_mode=described.cache_mode,
         hit_blocks_dropped=prefix_cache.dropped,
         prefix_sightings=prefix_cache.sightings,
+        kv_group_block_sizes=list(capacity.kv_group_block_sizes) if capacity.kv_group_block_sizes else None,
+        hits_judged=prefix_cache.judged,
+        warmup_cache=warmup_cache,
     )
-    atomic.write_json(state.facts_path(runtime, configuration), asdict(facts))
+    state.write(state.facts_path(runtime, configuration), asdict(facts))
     return facts
-
-
-LIVENESS_FACTOR = 10
-
-
-def _answers(
-    engine: Engine, record: dict[str, Any], facts: dict[str, Any], spec: dict[str, Any], runtime: Runtime
-) -> bool:
-    """The recorded server completes one tiny request within 10 × the one it completed after start-up
-    (``facts['warmup_s']``), and at least ``runtime.liveness_floor_s``."""
-    timeout_s = max(runtime.liveness_floor_s, LIVENESS_FACTOR * float(facts.get("warmup_s") or 0.0))
-    started = time.monotonic()
-    try:
-        with control_client(timeout_s, auth_headers(spec)) as client:
-            engine.warm_up(client, record["url"], spec["served_name"])
-        return True
-    except (httpx.HTTPError, ServerError) as exc:
-        log.warning(
-            "server session %s of configuration '%s' did not complete a tiny request (%s after %.1f s, limit "
-            "%.0f s): replaced, not reused", record["session"], spec["configuration"], type(exc).__name__,
-            time.monotonic() - started, timeout_s,
-        )  # fmt: skip
-        return False
-
-
-def _healthy(engine: Engine, record: dict[str, Any], spec: dict[str, Any]) -> bool:
-    """The recorded server answers its health check, and as itself (its launch's own name)."""
-    url = record["url"]
-    try:
-        with control_client(5.0, auth_headers(spec)) as client:
-            if client.get(f"{url}{engine.health_path}").status_code != 200:
-                return False
-            return identity(record["session"]) in engine.served_names(client, url)
-    except httpx.HTTPError:
-        return False

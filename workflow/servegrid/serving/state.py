@@ -24,6 +24,10 @@ plus, node-local, one lock that serialises every decision about which servers ru
 :class:`ServerFacts` is what a facts file holds.
 None of it is ever a Snakemake input, so a server's presence or absence never
 makes a cell stale.
+
+Each of these files carries ``format_version`` (:data:`STATE_FORMAT`); :func:`read` takes it off, reads a file
+without one as format 1 (every state file before 2026-12-06) and refuses one of a newer format, which a newer
+servegrid wrote: its server is that servegrid's to manage.
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ from typing import Any
 
 import psutil
 
-from servegrid import paths
+from servegrid import atomic, paths
 from servegrid.config.sections import Configuration, Operations
+from servegrid.errors import NewerFormatError
 from servegrid.serving import hostlocks, placement, procs
+
+# 1: the state files from before 2026-12-06 (no number in them); 2: the number in each file.
+STATE_FORMAT = 2
 
 # The gateway's name in the state folder, beside the configurations' (which cannot contain "-"): its supervisor,
 # record and teardown are the servers' own (servegrid.serving.gateway).
@@ -111,6 +119,14 @@ class ServerFacts:
     cache_mode: str | None = None  # a hybrid model's recurrent-state cache ("align"), as the server says
     hit_blocks_dropped: int = 0  # matched blocks of a prefix hit the server does not reuse (its draft method)
     prefix_sightings: int = 1  # requests that carry a shared prefix before the next one hits it (PrefixCache)
+    # The warm-up across the cache (Engine.warm_up): prompt_tokens, block_tokens, and hit_tokens counted by the
+    # server on its second send. None: the engine warms up with one request (the stand-in), or a server started by
+    # a servegrid before issue 42.
+    warmup_cache: dict[str, int] | None = None
+    # The KV-cache groups' block sizes where the engine has several (StartupFacts), and whether prefix hits land on
+    # ``block_size`` for sure (PrefixCache.judged): where not, cells' hit rates are reported, never judged.
+    kv_group_block_sizes: list[int] | None = None
+    hits_judged: bool = True
 
 
 _NOT_RECORDS = (".facts.json", ".failed.json", ".launch.json")
@@ -167,11 +183,31 @@ def launch_path(runtime: Runtime, configuration: str) -> Path:
 
 
 def read(path: Path) -> dict[str, Any] | None:
-    """A state file's content; None when it is missing or half-written by a process that died."""
+    """A state file's content, without its format number; None when it is missing or half-written by a process
+    that died. :class:`NewerFormatError` when a newer servegrid wrote it."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        content = json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    if not isinstance(content, dict):
+        return None
+    version = content.pop("format_version", 1)
+    if not isinstance(version, int) or version > STATE_FORMAT:
+        raise NewerFormatError(
+            f"{path}: a server state file of format {version}, written by a newer servegrid (this one reads formats "
+            f"1 to {STATE_FORMAT}): that servegrid manages this server; stop it with that servegrid, or upgrade"
+        )
+    return content
+
+
+def stamped(content: Mapping[str, Any]) -> dict[str, Any]:
+    """``content`` as a state file holds it: with its format number."""
+    return {**content, "format_version": STATE_FORMAT}
+
+
+def write(path: Path, content: Mapping[str, Any]) -> None:
+    """Write a state file atomically, with its format number."""
+    atomic.write_json(path, stamped(content))
 
 
 @contextlib.contextmanager
@@ -212,11 +248,19 @@ def try_lease(runtime: Runtime, configuration: str) -> Iterator[bool]:
 
 def records(runtime: Runtime) -> dict[str, dict[str, Any]]:
     """Every server record, by configuration."""
+    return records_in(directory(runtime))
+
+
+def records_in(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every server record of one state folder, by configuration."""
     out = {}
-    for path in sorted(directory(runtime).glob("*.json")):
+    for path in sorted(folder.glob("*.json")):
         if path.name.endswith(_NOT_RECORDS):
             continue
-        record = read(path)
+        try:
+            record = read(path)
+        except NewerFormatError:  # a newer servegrid's server: never stopped or reused by this one
+            continue
         if record:
             out[record["configuration"]] = record
     return out

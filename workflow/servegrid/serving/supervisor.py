@@ -24,6 +24,7 @@ from typing import Any
 
 from servegrid import atomic, redact
 from servegrid.serving import procs
+from servegrid.serving.state import STATE_FORMAT
 
 POLL_S = 0.2
 # Every poll: an engine forked just before its API server was killed must already be on the list
@@ -39,6 +40,7 @@ def first_record(launch: dict[str, Any], supervisor: procs.ProcessRef) -> dict[s
     """The record of a launch before its server runs: written by the process that launches the supervisor (so that
     a slow supervisor, on a network filesystem say, is not taken for a missing one) and by the supervisor itself."""
     return {
+        "format_version": STATE_FORMAT,  # servegrid.serving.state.read takes it off
         "session": launch["session"],
         "configuration": launch["configuration"],
         "spec_hash": launch["spec_hash"],
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m servegrid.serving.supervisor LAUNCH.json", file=sys.stderr)
         return 2
     launch = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    launch.pop("format_version", None)  # written by the servegrid that started this supervisor: its own format
     return Supervisor(launch).run()
 
 

@@ -23,6 +23,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,7 +31,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def seeded_state(config, seed: int) -> dict:
+def seeded_state(config: Any, seed: int) -> dict[str, Any]:  # config: transformers' PretrainedConfig
     """The state dict, in the checkpoint's own names, of transformers' model built from ``config`` with
     ``seed`` (written through ``save_pretrained``, which gives the names vLLM's loader reads)."""
     torch.manual_seed(seed)
@@ -67,8 +68,11 @@ def main(folder: Path, seed: int) -> None:
     state["mtp.fc.weight"] = fc
     for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
         state[norm] = torch.zeros(hidden, dtype=torch.bfloat16)
-    save_file({name: state[name].contiguous() for name in sorted(state)}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {name: state[name].contiguous() for name in sorted(state)},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 if __name__ == "__main__":

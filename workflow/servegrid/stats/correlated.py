@@ -71,4 +71,5 @@ def effective_samples(values: Sequence[float] | np.ndarray) -> float | None:
             break
         tau += 2 * pair
         m += 1
-    return n / max(tau, 1.0)
+    effective: float = n / max(tau, 1.0)
+    return effective

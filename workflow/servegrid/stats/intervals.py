@@ -64,17 +64,20 @@ def median_interval(values: Sequence[float] | np.ndarray) -> tuple[float | None,
 
 def bootstrap_medians(values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """The medians of :data:`RESAMPLES` resamples (with replacement) of ``values`` (no NaN, at least one)."""
-    return np.median(rng.choice(values, (RESAMPLES, values.size)), axis=1)
+    medians: np.ndarray = np.median(rng.choice(values, (RESAMPLES, values.size)), axis=1)
+    return medians
 
 
-def ratio_interval(numerator_medians: np.ndarray, denominator_medians: np.ndarray) -> tuple[float | None, float | None]:
-    """95% percentile interval of the ratio of two independent sets of bootstrap medians."""
+def ratio_interval(
+    numerator_medians: np.ndarray, denominator_medians: np.ndarray, confidence: float = CONFIDENCE
+) -> tuple[float | None, float | None]:
+    """Percentile interval (95% unless told) of the ratio of two independent sets of bootstrap medians."""
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = numerator_medians / denominator_medians
     ratios = ratios[np.isfinite(ratios)]
     if ratios.size == 0:
         return None, None
-    tail = (1 - CONFIDENCE) / 2 * 100
+    tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(ratios, (tail, 100 - tail))
     return float(low), float(high)
 

@@ -3,7 +3,7 @@
 A cell measures in rounds (one request per session per round) grouped in stages (:func:`stage_targets`,
 :func:`next_stage_rounds`), and after each stage asks :func:`decide` whether to stop: ``"precise"`` once
 the interval of its primary figure's median is within ``target_rel_ci`` of that median (never before
-``min_samples``), else ``"max_samples"`` or ``"max_duration"`` at a ceiling. servegrid.modes.stages runs it.
+``min_samples``), else ``"max_samples"`` or ``"max_duration"`` at a ceiling. servegrid.load.sessions runs it.
 
 The interval is the distribution-free order-statistic (binomial) interval of the median: of n sorted
 values, ``[x(l), x(n+1-l)]`` with l the largest rank such that ``P(Binomial(n, 1/2) < l) <= alpha/2``.
@@ -85,7 +85,8 @@ def interval_from_sorted(
 def relative_half_width(median: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
     """The interval's wider side over |median| (an asymmetric interval is judged by its wider side)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.maximum(median - low, high - median) / np.abs(median)
+        relative: np.ndarray = np.maximum(median - low, high - median) / np.abs(median)
+    return relative
 
 
 def _clean(values: Sequence[float] | np.ndarray) -> np.ndarray:

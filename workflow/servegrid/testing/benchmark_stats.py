@@ -39,7 +39,9 @@ def rank_matched_ratios(
     if count == 0:
         return np.empty(0)
     quantiles = (np.arange(count) + 0.5) / count
-    return np.quantile(a, quantiles, method="inverted_cdf") / np.quantile(b, quantiles, method="inverted_cdf")
+    top, bottom = np.quantile(a, quantiles, method="inverted_cdf"), np.quantile(b, quantiles, method="inverted_cdf")
+    ratios: np.ndarray = top / bottom
+    return ratios
 
 
 def grouped_median_ci(

@@ -73,16 +73,36 @@ def _parser(dialect: str) -> argparse.ArgumentParser:
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between chunks")
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--jitter", type=float, default=0.0)
-    parser.add_argument("--context-limit", type=int, default=calibration_dialect.CONTEXT_LIMIT,
-                        help="the longest request it says it accepts")  # fmt: skip
-    parser.add_argument("--stall-from-request", type=int, default=0,
-                        help="fault: from this request on (1-based), one chunk and then nothing")  # fmt: skip
-    parser.add_argument("--fault", action="append", type=_fault, default=[], metavar="N=KIND",
-                        help="fault: spoil generation request N (1-based; 1 is the start-up warm-up), repeatable; "
-                        f"KIND: {', '.join(FAULT_KINDS)}")  # fmt: skip
-    parser.add_argument("--freeze", action="append", type=_freeze, default=[], metavar="N=SECONDS",
-                        help="fault: from generation request N on, no stream sends anything for SECONDS (the engine "
-                        "paused), then all go on; repeatable")  # fmt: skip
+    parser.add_argument(
+        "--context-limit",
+        type=int,
+        default=calibration_dialect.CONTEXT_LIMIT,
+        help="the longest request it says it accepts",
+    )
+    parser.add_argument(
+        "--stall-from-request",
+        type=int,
+        default=0,
+        help="fault: from this request on (1-based), one chunk and then nothing",
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        type=_fault,
+        default=[],
+        metavar="N=KIND",
+        help="fault: spoil generation request N (1-based; 1 is the start-up warm-up), repeatable; "
+        f"KIND: {', '.join(FAULT_KINDS)}",
+    )
+    parser.add_argument(
+        "--freeze",
+        action="append",
+        type=_freeze,
+        default=[],
+        metavar="N=SECONDS",
+        help="fault: from generation request N on, no stream sends anything for SECONDS (the engine "
+        "paused), then all go on; repeatable",
+    )
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefix caching off: never a cache hit")
     parser.add_argument("--prompt-tokens-offset", type=int, default=0, help="fault: misreport usage.prompt_tokens")
     parser.add_argument("--completion-tokens-offset", type=int, default=0, help="fault: misreport the output")

@@ -1,7 +1,7 @@
 """The calibration server's aiohttp application (:mod:`servegrid.testing.calibration`): both dialects' endpoints, the
 scripted streaming, the faults on the wire, and a runner on a background event loop for tests and benchmarks.
 
-It runs over 300 lines: one server behind two dialects, whose scripted streaming, tokenizer use, counters and faults
+One server behind two dialects, whose scripted streaming, tokenizer use, counters and faults
 are shared by both and make sense only together.
 """
 
@@ -14,6 +14,7 @@ import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +27,7 @@ from servegrid.testing.calibration_script import (
     CHAT_GENERATION_PROMPT,
     CHAT_OVERHEAD_PER_MESSAGE,
     ENGINE_DEATH_LOG,
+    ENGINE_OOM_LOG,
     Counters,
     Script,
     Vocabulary,
@@ -33,6 +35,18 @@ from servegrid.testing.calibration_script import (
 from servegrid.testing.dialect import CALIBRATION, DIALECTS, VLLM
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """What one streamed request asks for and what the script does to it: its output tokens, chat or completion,
+    its fault (None: none), whether it stalls mid-stream, and the prompt tokens its usage reports."""
+
+    n_out: int
+    chat: bool
+    fault: str | None
+    stalls: bool
+    prompt_tokens: int
 
 
 class CalibrationServer:
@@ -235,8 +249,27 @@ class CalibrationServer:
         fault = s.faults.get(self.counters.requests)
         if self.counters.requests in s.freezes:
             self.frozen_until_ns = time.monotonic_ns() + int(s.freezes[self.counters.requests] * 1e9)
-        if fault == "engine-death":
-            sys.stderr.write(ENGINE_DEATH_LOG)
+        failed = self._failed(fault)
+        if failed is not None:
+            return failed
+        self.counters.running += 1
+        self._count_prefix_hits(ids)
+        self.counters.prompt_tokens += len(ids)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        ask = _Ask(n_out, chat, fault, stalls, len(ids) + s.prompt_tokens_offset)
+        try:
+            if not await self._send_chunks(request, response, ask):
+                return response  # reset: no orderly end
+        finally:
+            self.counters.running -= 1
+        await response.write_eof()
+        return response
+
+    def _failed(self, fault: str | None) -> web.Response | None:
+        """The answer of a request the script fails before its stream starts (None: it streams)."""
+        if fault in ("engine-death", "engine-oom"):
+            sys.stderr.write(ENGINE_DEATH_LOG if fault == "engine-death" else ENGINE_OOM_LOG)
             sys.stderr.flush()
             asyncio.get_running_loop().call_later(0.05, os._exit, 1)  # after the answer is sent, as vLLM exits
             message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -244,69 +277,74 @@ class CalibrationServer:
         if fault in ("500", "503"):
             message = f"calibration server told to fail request {self.counters.requests} with HTTP {fault}"
             return web.json_response({"error": {"message": message, "code": int(fault)}}, status=int(fault))
-        self.counters.running += 1
-        self._count_prefix_hits(ids)
-        self.counters.prompt_tokens += len(ids)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        return None
+
+    async def _send_chunks(self, request: web.Request, response: web.StreamResponse, ask: _Ask) -> bool:
+        """The stream's chunks on the script's schedule, then its end; False: the connection was reset mid-way."""
+        s, n_out = self.script, ask.n_out
         start = time.monotonic_ns()
         due = start + int(s.ttft_s * 1e9)
         produced = 0
         first_ns = last_ns = start
-        prompt_tokens = len(ids) + s.prompt_tokens_offset
-        try:
-            while produced < n_out:
-                take = min(s.chunk_tokens, n_out - produced)
-                if stalls and produced:
-                    await asyncio.sleep(3600)  # an engine stuck mid-stream, its health check still 200
-                due = max(due, self.frozen_until_ns)  # a frozen engine sends nothing, then resumes
-                await _sleep_until(due)
-                if self.frozen_until_ns > due:  # frozen while this chunk waited
-                    due = self.frozen_until_ns
-                    await _sleep_until(due)
-                produced += take
-                sent = time.monotonic_ns()
-                late = max(0, sent - due)
-                self.counters.late_ns.append(late)
-                self.counters.events += 1
-                if s.speculative_tokens:
-                    self.counters.verification_steps += 1
-                    self.counters.draft_tokens += s.speculative_tokens
-                    self.counters.accepted_tokens += take - 1
-                words = " " + " ".join(self.rng.choice(text.WORDS) for _ in range(take))
-                choice = {"index": 0, "finish_reason": "length" if produced == n_out else None}
-                choice.update({"delta": {"content": words}} if chat else {"text": words})
-                completion: int | None = produced + (s.completion_tokens_offset if produced == n_out else 0)
-                if fault == "null-tokens" and produced == take:
-                    completion = None
-                event = {
-                    "object": "chat.completion.chunk" if chat else "text_completion",
-                    "model": self.model,
-                    "choices": [choice],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion},
-                    "servegrid_sent_ns": sent,
-                    "servegrid_late_ns": late,
-                }
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                if fault == "not-object" and produced == take:
-                    await response.write(b"data: [1, 2]\n\n")
-                if fault == "reset" and (produced >= 2 * s.chunk_tokens or produced == n_out):
-                    await _reset(request)
-                    return response
-                if produced == take:
-                    first_ns = sent
-                    self.counters.ttft_s.append((sent - start) / 1e9)
-                last_ns = sent
-                jitter = self.rng.uniform(-s.jitter_s, s.jitter_s) if s.jitter_s else 0.0
-                due += int(max(0.0, s.interval_s + jitter) * 1e9)
-            await response.write(b"data: [DONE]\n\n")
-            self.counters.generation_tokens += n_out
-            if n_out > 1:
-                self.counters.tpot_s.append((last_ns - first_ns) / 1e9 / (n_out - 1))
-        finally:
-            self.counters.running -= 1
-        await response.write_eof()
-        return response
+        while produced < n_out:
+            take = min(s.chunk_tokens, n_out - produced)
+            due = await self._wait_for_chunk(due, ask.stalls and bool(produced))
+            produced += take
+            sent = time.monotonic_ns()
+            event = self._chunk_event(ask, produced, take, sent, late=max(0, sent - due))
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            if ask.fault == "not-object" and produced == take:
+                await response.write(b"data: [1, 2]\n\n")
+            if ask.fault == "reset" and (produced >= 2 * s.chunk_tokens or produced == n_out):
+                await _reset(request)
+                return False
+            if produced == take:
+                first_ns = sent
+                self.counters.ttft_s.append((sent - start) / 1e9)
+            last_ns = sent
+            jitter = self.rng.uniform(-s.jitter_s, s.jitter_s) if s.jitter_s else 0.0
+            due += int(max(0.0, s.interval_s + jitter) * 1e9)
+        await response.write(b"data: [DONE]\n\n")
+        self.counters.generation_tokens += n_out
+        if n_out > 1:
+            self.counters.tpot_s.append((last_ns - first_ns) / 1e9 / (n_out - 1))
+        return True
+
+    async def _wait_for_chunk(self, due: int, stalled: bool) -> int:
+        """Sleep until the chunk is due (later, if the engine is frozen meanwhile); the time it was due then."""
+        if stalled:
+            await asyncio.sleep(3600)  # an engine stuck mid-stream, its health check still 200
+        due = max(due, self.frozen_until_ns)  # a frozen engine sends nothing, then resumes
+        await _sleep_until(due)
+        if self.frozen_until_ns > due:  # frozen while this chunk waited
+            due = self.frozen_until_ns
+            await _sleep_until(due)
+        return due
+
+    def _chunk_event(self, ask: _Ask, produced: int, take: int, sent: int, late: int) -> dict[str, Any]:
+        """One chunk's SSE event (``take`` tokens, ``produced`` so far), counted on the server's counters."""
+        s = self.script
+        self.counters.late_ns.append(late)
+        self.counters.events += 1
+        if s.speculative_tokens:
+            self.counters.verification_steps += 1
+            self.counters.draft_tokens += s.speculative_tokens
+            self.counters.accepted_tokens += take - 1
+        words = " " + " ".join(self.rng.choice(text.WORDS) for _ in range(take))
+        last = produced == ask.n_out
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+        choice.update({"delta": {"content": words}} if ask.chat else {"text": words})
+        completion: int | None = produced + (s.completion_tokens_offset if last else 0)
+        if ask.fault == "null-tokens" and produced == take:
+            completion = None
+        return {
+            "object": "chat.completion.chunk" if ask.chat else "text_completion",
+            "model": self.model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": ask.prompt_tokens, "completion_tokens": completion},
+            "servegrid_sent_ns": sent,
+            "servegrid_late_ns": late,
+        }
 
 
 async def _reset(request: web.Request) -> None:
@@ -337,7 +375,7 @@ class RunningServer:
     def __init__(
         self, script: Script, host: str = "127.0.0.1", port: int = 0, dialect: str = VLLM, api_key: str | None = None
     ) -> None:
-        exits = {"engine-death", "exit-after"} & set(script.faults.values())
+        exits = {"engine-death", "engine-oom", "exit-after"} & set(script.faults.values())
         if exits:
             raise ValueError(f"the {exits.pop()} fault exits the process: only a calibration server of its own has it")
         self.server = CalibrationServer(script, dialect=dialect, api_key=api_key)
@@ -349,8 +387,7 @@ class RunningServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        sockets = site._server.sockets if site._server else []
-        self.port = sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the port the OS gave (port 0 asks for any)
         return f"http://{self.host}:{self.port}"
 
     async def stop(self) -> None:

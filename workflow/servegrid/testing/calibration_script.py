@@ -17,6 +17,8 @@ FAULT_KINDS = {
     "null-tokens": "the first chunk's usage.completion_tokens is null: its tokens cannot be timed",
     "engine-death": "print a vLLM engine core's death (a worker's traceback, 'EngineCore encountered a fatal error') "
     "to stderr, answer HTTP 500 as vLLM does, then exit 1: an engine that refuses its configuration",
+    "engine-oom": "as engine-death, with torch's CUDA out-of-memory error as the worker's root cause: a death of the "
+    "moment (another process took the GPU's memory), not the configuration's",
     "exit-after": "answer the request in full, then exit 1 at the next health check or model list (servegrid asks one "
     "on each connection it opens for a stage): a server lost between two stages (killed, out of memory)",
 }
@@ -29,6 +31,12 @@ ENGINE_DEATH_LOG = (
     f"{_WORKER}    step[grid]()\n"
     f"{_WORKER}NotImplementedError: the calibration engine was told to refuse this configuration\n"
     "(EngineCore pid=1) ERROR 12-05 05:21:22 [core.py:1512] EngineCore encountered a fatal error.\n"
+)
+# The same death of torch's CUDA out-of-memory error, in the words torch 2.13 raises it with.
+ENGINE_OOM_LOG = ENGINE_DEATH_LOG.replace(
+    "NotImplementedError: the calibration engine was told to refuse this configuration",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.",
 )
 
 

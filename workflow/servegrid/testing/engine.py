@@ -17,7 +17,16 @@ import httpx
 
 from servegrid import engines, redact
 from servegrid.engines import metrics
-from servegrid.engines.base import EngineFacts, EngineFinding, PrefixCache, ServerLaunch, StartupFacts
+from servegrid.engines.base import (
+    CacheReset,
+    EngineDeath,
+    EngineFacts,
+    EngineFinding,
+    KvDemand,
+    PrefixCache,
+    ServerLaunch,
+    StartupFacts,
+)
 from servegrid.engines.vllm_log import engine_death
 from servegrid.errors import ConfigError, ServerError
 from servegrid.testing import dialect
@@ -54,6 +63,7 @@ class CalibrationEngine:
         configuration_args: Mapping[str, Sequence[str]],
         env: Mapping[str, Mapping[str, str]],
         tiny_model: str | None,
+        host: str = "127.0.0.1",
     ) -> None:
         for where, args in {"engine.args": engine_args, **configuration_args}.items():
             for arg in args:
@@ -98,17 +108,22 @@ class CalibrationEngine:
     def gpu_memory_claim(self, argv: Sequence[str]) -> float:
         return 0.0
 
+    def kv_demand(self, argv: Sequence[str], checkpoint: Mapping[str, Any] | None) -> KvDemand | None:
+        return None  # it keeps no KV cache in a GPU's memory
+
     def preflight(
         self, servers: Mapping[str, ServerLaunch], checkpoint: Mapping[str, Any] | None, probe_timeout_s: float | None
     ) -> dict[str, tuple[list[EngineFinding], dict[str, Any]]]:
         # Its parser is servegrid's own (servegrid.testing.calibration): an unknown flag fails at start-up in a second.
         return {name: ([], {"engine": "calibration server"}) for name in servers}
 
-    def refusal(self, log_text: str) -> str | None:
+    def death(self, log_text: str) -> EngineDeath | None:
         # Its engine-death fault prints what vLLM's engine core prints when it dies.
         return engine_death(log_text)
 
-    def prefix_cache(self, facts: EngineFacts, speculative: Mapping[str, Any] | None) -> PrefixCache:
+    def prefix_cache(
+        self, facts: EngineFacts, speculative: Mapping[str, Any] | None, startup: StartupFacts | None = None
+    ) -> PrefixCache:
         # The stand-in caches whole blocks and has no draft model: every matched block is reused.
         return PrefixCache(block=facts.block_size or 1)
 
@@ -117,6 +132,9 @@ class CalibrationEngine:
         response = client.post(f"{url}{self.completions_path}", json=self.completion_payload(model, [1, 2, 3], 2, 0.0))
         if response.status_code != 200:
             raise ServerError(f"warm-up request failed: HTTP {response.status_code}: {response.text[:500]}")
+
+    def warm_up_cache(self, client: httpx.Client, url: str, model: str) -> dict[str, int] | None:
+        return None  # the stand-in has no cache code to die in, and its scripted faults count requests from 1
 
     def served_names(self, client: httpx.Client, url: str) -> list[str]:
         with contextlib.suppress(httpx.HTTPError):
@@ -136,10 +154,11 @@ class CalibrationEngine:
             )
         return EngineFacts()
 
-    def reset_prefix_cache(self, client: httpx.Client, url: str) -> bool:
+    def reset_prefix_cache(self, client: httpx.Client, url: str) -> CacheReset:
         with contextlib.suppress(httpx.HTTPError):
-            return client.post(f"{url}{PATHS['reset_cache']}").status_code == 200
-        return False
+            if client.post(f"{url}{PATHS['reset_cache']}").status_code == 200:
+                return "reset"
+        return "unavailable"
 
     def tokenize(self, client: httpx.Client, url: str, model: str, text: str) -> list[int]:
         response = client.post(f"{url}{PATHS['tokenize']}", json={"model": model, "text": text})

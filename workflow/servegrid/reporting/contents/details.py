@@ -42,4 +42,5 @@ class DetailsContents(Contents):
     def invalid_cells(self) -> list[dict[str, Any]]:
         if self.summary.empty:
             return []
-        return self.summary[~self.summary["valid"].astype(bool)].to_dict("records")
+        invalid: list[dict[str, Any]] = self.summary[~self.summary["valid"].astype(bool)].to_dict("records")
+        return invalid

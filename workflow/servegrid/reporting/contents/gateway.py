@@ -46,7 +46,7 @@ class GatewayView:
 
 def _value(row: dict[str, Any], name: str) -> float | None:
     value = row.get(name)
-    return None if intervals.missing(value) else float(value)
+    return None if value is None or intervals.missing(value) else float(value)
 
 
 def gateway_view(
@@ -71,8 +71,9 @@ def gateway_view(
     )
     order = {name: i for i, name in enumerate(experiment.configurations)}
     mode_order = {name: i for i, name in enumerate(experiment.modes())}
-    records.sort(key=lambda r: (mode_order.get(r["mode"], 99), r["context"], r["concurrency"],
-                                order.get(r["configuration"], 99)))  # fmt: skip
+    records.sort(
+        key=lambda r: (mode_order.get(r["mode"], 99), r["context"], r["concurrency"], order.get(r["configuration"], 99))
+    )
     for row in records:
         out.rows.append(
             {

@@ -46,7 +46,7 @@ class OpenLoopView:
 
 def _value(row: dict[str, Any], name: str) -> float | None:
     value = row.get(name)
-    return None if intervals.missing(value) else float(value)
+    return None if value is None or intervals.missing(value) else float(value)
 
 
 def _window(row: dict[str, Any]) -> dict[str, float | None] | None:
@@ -70,8 +70,15 @@ def open_loop_view(
     order = {name: i for i, name in enumerate(experiment.configurations)}
     mode_order = {name: i for i, name in enumerate(experiment.modes())}
     window_order = {label: i for w in experiment.workloads.values() for i, label in enumerate(w.windows)}
-    cells.sort(key=lambda r: (mode_order.get(r["mode"], 99), r["context"], window_order.get(r.get("window") or "", 99),
-                              r["offered_rate"], order.get(r["configuration"], 99)))  # fmt: skip
+    cells.sort(
+        key=lambda r: (
+            mode_order.get(r["mode"], 99),
+            r["context"],
+            window_order.get(r.get("window") or "", 99),
+            r["offered_rate"],
+            order.get(r["configuration"], 99),
+        )
+    )
     view = OpenLoopView()
     for cell in cells:
         view.rows.append(

@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from servegrid import modes
+from servegrid.analysis import cost
 from servegrid.modes.base import FigureSpec
 from servegrid.reporting.contents.shared import Contents
 from servegrid.reporting.figure_files import GOODPUT_FIGURE, MAX_CONTEXT_PANELS, run_figures
@@ -58,6 +59,56 @@ class ProductionContents(Contents):
             "too_few": bool((table["stopped_by"] == "too_few").any()),
         }
 
+    def production_by_cost(self) -> bool:
+        """Whether the production winners are the cheapest per million tokens (``cost.rank_by: cost``)."""
+        return self.experiment.cost is not None and self.experiment.cost.rank_by == "cost"
+
+    def production_prices(self) -> dict[str, Any] | None:
+        """The ``cost:`` section where the production table was priced (servegrid.analysis.cost); None otherwise."""
+        cost = self.experiment.cost
+        table = self.production
+        if (
+            cost is None
+            or table.empty
+            or "cost_per_million_tokens" not in table
+            or table["cost_per_million_tokens"].isna().all()
+        ):
+            return None
+        return {
+            "device_per_hour": cost.device_per_hour,
+            "energy_per_kwh": cost.energy_per_kwh,
+            "currency": cost.currency,
+        }
+
+    def spending(self) -> dict[str, Any] | None:
+        """What the run's cells took (servegrid.analysis.cost.spent): per configuration, device hours per mode and
+        in all, and their price with a ``cost:`` section; None before any cell."""
+        table = cost.spent(self.summary, self.experiment)
+        if table.empty:
+            return None
+        modes_seen = [m for m in self.experiment.modes() if (table["mode"] == m).any()]
+        rows = []
+        for name in self.experiment.configurations:
+            mine = table[table["configuration"] == name]
+            if mine.empty:
+                continue
+            rows.append(
+                {
+                    "label": self.label(name),
+                    "hours": {m: float(mine[mine["mode"] == m]["device_hours"].sum()) for m in modes_seen},
+                    "total": float(mine["device_hours"].sum()),
+                    "cost": float(mine["cost"].sum()) if self.experiment.cost else None,
+                }
+            )
+        return {
+            "modes": [modes.get(m) for m in modes_seen],
+            "rows": rows,
+            "total": float(table["device_hours"].sum()),
+            "top_ups": int(table["top_ups"].sum()),
+            "cost": float(table["cost"].sum()) if self.experiment.cost else None,
+            "currency": self.experiment.cost.currency if self.experiment.cost else None,
+        }
+
     def production_leaders(self) -> list[dict[str, Any]]:
         """Who wins the production table most often: per configuration, the mode × context rows it wins
         (ties count for each), most first; with how many rows there are."""
@@ -77,8 +128,10 @@ class ProductionContents(Contents):
             in_ms = goal.key.endswith("_ms")
             limit = goal.limit_s * 1000 if in_ms else goal.limit_s
             number = self.format_value(round(limit, 6))
-            parts.append(f"{goal.metric.upper() if goal.metric != 'e2e' else 'e2e'} p{goal.percentile} ≤ {number} "
-                         f"{'ms' if in_ms else 's'}")  # fmt: skip
+            parts.append(
+                f"{goal.metric.upper() if goal.metric != 'e2e' else 'e2e'} p{goal.percentile} ≤ {number} "
+                f"{'ms' if in_ms else 's'}"
+            )
         return "; ".join(parts)
 
     def goodput_figure(self) -> FigureSpec | None:

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from servegrid import modes
+from servegrid.modes.base import N_
 from servegrid.reporting.contents.shared import Contents
 from servegrid.stats import intervals
 
@@ -59,3 +60,24 @@ class VerdictContents(Contents):
 
     def verdict_rows(self) -> list[dict[str, Any]]:
         return [row | {"winner_label": self.label(row["winner"])} for row in self.records(self.comparisons)]
+
+    def sampling_stop(self, group: dict[str, Any]) -> str:
+        """How a group's sampling stopped under the verdict policy, and after how many rounds of top-ups."""
+        said = SAMPLING_STOPS.get(str(group.get("sampling_stop")))
+        if said is None:
+            return "–"
+        stopped = str(self.gettext(said))
+        rounds = group.get("top_up_rounds")
+        if rounds is None or intervals.missing(rounds) or not int(rounds):
+            return stopped
+        return stopped + " · " + str(self.gettext(ROUNDS_OF_TOP_UPS)) % {"rounds": int(rounds)}
+
+
+# How a group's sampling stopped (servegrid.analysis.top_ups), as the groups table says it.
+SAMPLING_STOPS = {
+    "decided": N_("decided"),
+    "tie": N_("a tie"),
+    "budget": N_("budget spent, undecided"),
+    "kv_limit": N_("KV limit"),
+}
+ROUNDS_OF_TOP_UPS = N_("rounds of top-ups: %(rounds)s")

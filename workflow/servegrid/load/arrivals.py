@@ -49,11 +49,3 @@ def due_offsets_s(rate: float, count: int, arrival: Arrival, seed: int) -> np.nd
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(arrival.shape, mean_gap / arrival.shape, size=count - 1)
     return np.concatenate([[0.0], np.cumsum(gaps)])
-
-
-def rate_label(rate: float) -> str:
-    """A rate as a cell's name shows it: ``2`` for 2.0, ``0.5``, ``0.25`` (no float noise, no trailing zeros)."""
-    text = f"{rate:.6f}".rstrip("0").rstrip(".")
-    if float(text) != rate:
-        raise ValueError(f"rate {rate!r}: at most six decimals")
-    return text

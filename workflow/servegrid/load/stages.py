@@ -7,22 +7,24 @@ asked whether to stop; the next stage brings it to the next of :func:`servegrid.
 Without a rule (a fixed count) it runs one stage of ``requests_per_session`` rounds, and its samples are
 judged only to say how precise it came out.
 
-What a sample is comes from the mode's :class:`~servegrid.modes.primary.Primary` and the per-request formulas
-of :func:`servegrid.records.per_request.derive`, so the cell counts exactly what the summary will report.
+What a sample is comes from the figure the mode is judged by (:class:`Judged`: the mode's
+:class:`~servegrid.modes.primary.Primary`) and the per-request formulas of :func:`servegrid.records.per_request.derive`,
+so the cell counts exactly what the summary will report. The closed-loop sessions that run the stages are
+:class:`servegrid.load.strategies.SessionsStrategy`'s (:mod:`servegrid.load.sessions`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pandas as pd
 
 from servegrid import progress
-from servegrid.modes.primary import Primary
 from servegrid.records import cell_file, per_request
+from servegrid.records.cell_settings import CellSettings
 from servegrid.records.request import RequestRecord
 from servegrid.stats import sampling
 from servegrid.stats.sampling import Decision, SamplingRule
@@ -34,13 +36,27 @@ log = logging.getLogger(__name__)
 StopReason = Literal["precise", "max_samples", "max_duration", "fixed", "no_samples"]
 
 
-def samples_so_far(request_records: list[RequestRecord], primary: Primary) -> np.ndarray:
+class Judged(Protocol):
+    """The figure a cell is judged by (servegrid.modes.primary.Primary): its column, and the requests it counts."""
+
+    @property
+    def column(self) -> str:
+        """The per-request column of its samples."""
+        ...
+
+    def rows(self, requests: pd.DataFrame) -> pd.DataFrame:
+        """The requests its samples come from (measured, valid, of its turn)."""
+        ...
+
+
+def samples_so_far(request_records: list[RequestRecord], primary: Judged) -> np.ndarray:
     """The primary figure of every valid measured request so far (of the primary turn only, where it has one)."""
     if not request_records:
         return np.empty(0)
     frame = per_request.derive(pd.DataFrame(cell_file.rows(request_records)))
-    values = primary.rows(frame)[primary.column].to_numpy(dtype=float)
-    return values[~np.isnan(values)]
+    values: np.ndarray = primary.rows(frame)[primary.column].to_numpy(dtype=float)
+    present: np.ndarray = values[~np.isnan(values)]
+    return present
 
 
 @dataclass
@@ -48,7 +64,7 @@ class StagePlan:
     """The stages of one cell's measured phase (see the module docstring)."""
 
     concurrency: int
-    primary: Primary
+    primary: Judged
     rule: SamplingRule | None
     fixed_rounds: int = 0  # requests_per_session, where there is no rule
     fixed_limit_s: float | None = None  # workloads.<mode>.duration_s, where there is no rule
@@ -58,12 +74,13 @@ class StagePlan:
     label: str = ""  # the cell's id, for its progress lines
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any], primary: Primary) -> StagePlan:
+    def from_settings(cls, settings: dict[str, Any], primary: Judged) -> StagePlan:
         """A cell's plan from its settings (Experiment.cell_settings): its rule, else its fixed count and limit."""
-        rule_fields, workload = settings["sampling"].get("rule"), settings["workload"]
+        typed = CellSettings(settings)
+        rule_fields, workload = typed.rule, typed.workload
         return cls(
-            label=settings.get("cell", ""),
-            concurrency=settings["concurrency"],
+            label=typed.cell_id,
+            concurrency=typed.sessions or 0,  # an open-loop cell has no sessions (its plan is a fixed count)
             primary=primary,
             rule=SamplingRule(**rule_fields) if rule_fields else None,
             fixed_rounds=workload.get("requests_per_session", 0),
@@ -137,7 +154,8 @@ class StagePlan:
     @property
     def active_s(self) -> float:
         """Seconds the stages ran, without the pauses between them (prompts built for the next stage)."""
-        return sum(s["end_s"] - s["start_s"] for s in self.stages if "end_s" in s and "start_s" in s)
+        active: float = sum(s["end_s"] - s["start_s"] for s in self.stages if "end_s" in s and "start_s" in s)
+        return active
 
     def summary(self) -> dict[str, Any]:
         """What the cell file keeps of its sampling: the rule, why it stopped, its stages."""

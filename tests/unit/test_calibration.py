@@ -1,0 +1,140 @@
+"""The calibration pass and the estimate it prices: which cells it probes, what it measures on a server (the
+calibration stand-in, whose timings are known), the file it keeps with the server spec, and the forecast of a cell's
+sampling from a probe's spread (tests/integration/test_top_ups_on_vllm.py calibrates on real vLLM)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import REPO
+from servegrid import paths
+from servegrid.config import Experiment, spec_hash
+from servegrid.errors import CellFileError, NewerFormatError
+from servegrid.pipeline import calibration_pass
+from servegrid.planning import calibrated, estimate
+from servegrid.records import calibration_file
+from servegrid.records.calibration_file import Calibration, Probe
+from servegrid.serving import procs, server
+from servegrid.stats.sample_forecast import measuring_time
+from servegrid.stats.sampling import SamplingRule
+
+DATA = REPO / "tests" / "data" / "calibrations"
+
+
+def stand_in_experiment() -> Experiment:
+    """Two configurations of the calibration stand-in: 'quick' decodes a token in 5 ms, 'slow' in 20 ms."""
+    engine = [sys.executable, "-m", "servegrid.testing.calibration", "--model", "{model}"]
+    return Experiment(
+        {
+            "experiment": {"title": "calibration"},
+            "model": {"path": "none", "served_name": "calibration"},
+            "engine": {"command": engine},
+            "configurations": {
+                "quick": {"label": "quick", "prefix_caching": True},
+                "slow": {"label": "slow", "prefix_caching": True, "args": ["--interval", "0.02"]},
+            },
+            "sampling": {"target_rel_ci": 0.05, "min_samples": 8, "max_samples": 64, "max_duration_s": 30},
+            "workloads": {"decode": {"contexts": [16, 32, 64], "concurrency": [1, 2], "output_tokens": 8}},
+            "operations": {"request_timeout_s": 30},
+            "validity": {"max_loop_lag_s": 0.1, "max_client_cpu": 0.95, "max_send_delay_s": 0.1},
+        }
+    )
+
+
+def test_the_probes_are_each_modes_lightest_and_heaviest_cell(demo_raw):
+    demo = Experiment(demo_raw)
+    probes = [(c.mode, c.context, c.sessions) for c in calibration_pass.probe_cells(demo, "ngram")]
+    assert probes == [
+        ("decode", 512, 1),
+        ("decode", 512, 4),
+        ("single_turn", 1024, 1),
+        ("single_turn", 1536, 4),
+        ("multi_turn", 1024, 1),
+        ("multi_turn", 2048, 4),
+    ]
+    settings = calibration_pass.probe_settings(demo, calibration_pass.probe_cells(demo, "ngram")[0])
+    rule = settings["sampling"]["rule"]
+    assert rule["min_samples"] == rule["max_samples"] == calibration_pass.PROBE_SAMPLES
+    assert rule["max_duration_s"] == min(demo_raw["workloads"]["decode"]["sampling"]["max_duration_s"], 20)
+    assert settings["calibration"] is True
+
+
+def test_a_calibration_measures_the_probes_on_one_session_and_stops_its_server(sandbox):
+    experiment = stand_in_experiment()
+    out = paths.calibration_path("slow")
+    done = calibration_pass.calibrate(experiment, "slow", out, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox)
+    assert calibration_file.read(out) == done
+    assert done.spec_hash == spec_hash(experiment.launch_spec("slow"))
+    assert [(p.context, p.concurrency) for p in done.probes] == [(16, 1), (64, 2)]
+    for probe in done.probes:
+        assert len(probe.values) == calibration_pass.PROBE_SAMPLES
+        # The stand-in sends its 8 tokens 20 ms apart: at most 50 tokens/s per session (less on a loaded host).
+        assert 0 < np.median(probe.values) <= 50 * 1.1
+        assert probe.rounds == calibration_pass.PROBE_SAMPLES // probe.concurrency
+        assert probe.job_s > probe.measuring_s > 0
+    assert done.startup_s > 0 and done.job_start_s > 0
+    assert [r["alive"] for r in server.status(sandbox)] == [False]  # the calibration's session is over
+
+
+def test_the_estimate_prices_a_calibrated_configuration_from_its_probes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    experiment = stand_in_experiment()
+    tight = [0.02] * 16  # no spread: every cell stops at its first stage, min_samples
+    probe = Probe("decode", 16, 1, rounds=16, measuring_s=3.2, job_s=4.0, values=tight)
+    at = "2026-12-07T20:00:00+00:00"
+    current = Calibration("slow", spec_hash(experiment.launch_spec("slow")), at, 7.0, 2.0, [probe])
+    calibration_file.write(paths.calibration_path("slow"), current)
+    stale = Calibration("quick", "0" * 16, at, 7.0, 2.0, [probe])
+    calibration_file.write(paths.calibration_path("quick"), stale)  # of another server spec: ignored
+    found = estimate.current_calibrations(experiment)
+    assert list(found) == ["slow"]
+    est = estimate.estimate(experiment, None, found)
+    assert est.startup["slow"] == estimate.Range(7.0 * 0.6, 7.0 * 1.2)  # one start measured: calibrated.STARTUP_SPREAD
+    assert est.startup["quick"] == estimate.Range(*experiment.estimate["startup_s"])
+    cells = {c.cell.id: c for c in est.cells}
+    same = cells["slow/decode/ctx16_c1"]
+    assert same.basis.startswith("calibration (decode ctx16 c1)")
+    # 8 samples (min_samples) at the probe's 0.2 s a round, exactly: no spread, no range.
+    assert same.measuring == estimate.Range(pytest.approx(1.6), pytest.approx(1.6))
+    assert same.overhead == estimate.Range(2.0 + 0.8, 2.0 + 0.8) + calibrated.SNAKEMAKE_JOB_S
+    # 8 samples in 4 rounds of 2 sessions, each round the probe's scaled by the two cells' token costs.
+    two = cells["slow/decode/ctx16_c2"]
+    slow = {
+        "decode": experiment.estimate["decode_tokens_per_s"][0],
+        "prefill": experiment.estimate["prefill_tokens_per_s"][0],
+    }
+    ratio = estimate.unit_seconds(experiment, two.cell, slow) / estimate.unit_seconds(experiment, same.cell, slow)
+    assert ratio > 1 and two.measuring.low == pytest.approx(4 * 0.2 * ratio)
+    assert cells["quick/decode/ctx16_c1"].basis == "assumed"
+
+
+def test_the_forecast_follows_the_sampling_rule():
+    rule = SamplingRule(target_rel_ci=0.05, min_samples=8, max_samples=64, max_duration_s=math.inf)
+    exact = measuring_time([1.0] * 10, rule, sessions=2, round_s=0.5)
+    assert (exact.low_s, exact.high_s, exact.samples_median) == (2.0, 2.0, 8)  # 4 rounds of 2
+    spread = np.random.default_rng(3).lognormal(0, 1.0, 40)
+    wide = measuring_time(spread, rule, sessions=1, round_s=0.5)
+    assert wide.samples_median == 64 and wide.high_s == 32.0  # too spread to be precise: the ceiling
+    capped = measuring_time(spread, SamplingRule(0.05, 8, 64, 10.0), sessions=1, round_s=0.5)
+    assert capped.high_s == 10.0  # 20 rounds begin before the 10 s limit
+    some = measuring_time(np.random.default_rng(4).lognormal(0, 0.1, 40), rule, sessions=1, round_s=0.5)
+    assert 4.0 <= some.low_s <= some.median_s <= some.high_s <= 32.0
+
+
+def test_a_calibration_of_every_format_written_reads_back(tmp_path):
+    # Format 1, as `servegrid calibrate` wrote it (tests/data/calibrations/README.md).
+    old = calibration_file.read(DATA / "v1.json")
+    assert old.format_version == 1 and old.probes and old.probes[0].values
+    newer = tmp_path / "calibration.json"
+    newer.write_text(json.dumps({"format_version": calibration_file.FORMAT_VERSION + 1}))
+    with pytest.raises(NewerFormatError, match="newer servegrid"):
+        calibration_file.read(newer)
+    newer.write_text("{")
+    with pytest.raises(CellFileError, match="delete it to calibrate again"):
+        calibration_file.read(newer)

@@ -1,0 +1,71 @@
+"""What a run that ended with an error left unmeasured, and why: the last lines Snakemake prints on a failed run
+(``onerror``), so a user back at a long GPU run sees which configurations failed and where to read, not only
+Snakemake's list of failed jobs. In English, like the terminal summary."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from servegrid import paths
+from servegrid.config import Experiment
+from servegrid.records.cell_spec import CellSpec
+from servegrid.serving import procs, state
+from servegrid.serving.state import Runtime
+
+# Why a cell's job failed, as its log says: servegrid's one error line (errors.guarded), else an uncaught
+# exception's last line.
+REPEATED = "(failed earlier in this run"  # servegrid.serving.server: a later cell of a spec that failed to start
+_SERVEGRID_ERROR = re.compile(r"servegrid: error: (.+)")
+_EXCEPTION = re.compile(r"^[\w.]+(?:Error|Exception|Interrupt)\b.*")
+
+
+def text(experiment: Experiment, runtime: Runtime, owner: procs.ProcessRef | None) -> str:
+    """The configurations with cells left unmeasured, each with its count and its reason: the failed start this run
+    recorded (``owner``'s), else the last error line of one of its cells' logs. Empty when nothing is left."""
+    left: dict[str, list[CellSpec]] = defaultdict(list)
+    for cell in experiment.cells():
+        if not Path(cell.path).exists():
+            left[cell.configuration].append(cell)
+    if not left:
+        return ""
+    lines = [
+        "servegrid: the run ended with cells left unmeasured (measured cells are kept; a rerun measures the rest):"
+    ]
+    for configuration, cells in left.items():
+        total = len(experiment.cells(configuration))
+        lines.append(f"  {configuration}: {len(cells)} of {total} cells not measured; {_why(cells, runtime, owner)}")
+    return "\n".join(lines)
+
+
+def _why(cells: list[CellSpec], runtime: Runtime, owner: procs.ProcessRef | None) -> str:
+    failure = state.read(state.failure_path(runtime, cells[0].configuration))
+    if failure and owner is not None and failure.get("owner") == owner.to_dict():
+        first = str(failure.get("message", "")).splitlines()[0] if failure.get("message") else "no message"
+        return f"its server failed to start: {first}"
+    said = []
+    for cell in cells:
+        log = Path(paths.CELL_LOG_PATTERN.format(**_wildcards(cell)))
+        reason = _last_error(log)
+        if reason:
+            said.append(f"{reason} ({log})")
+    # A cell that only repeats an earlier cell's failure says less than that cell.
+    first_hand = [s for s in said if not s.startswith(REPEATED)]
+    return (first_hand or said or ["not reached (the run stopped first, or these jobs did not run)"])[0]
+
+
+def _wildcards(cell: CellSpec) -> dict[str, object]:
+    return {"configuration": cell.configuration, "mode": cell.mode, "context": cell.context, "load": cell.load.label}
+
+
+def _last_error(log: Path) -> str | None:
+    try:
+        text_lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(text_lines):
+        said = _SERVEGRID_ERROR.search(line)
+        if said:
+            return said[1].strip()[:300]
+    return next((line.strip()[:300] for line in reversed(text_lines) if _EXCEPTION.match(line.strip())), None)
