@@ -8,9 +8,11 @@ import json
 import math
 import os
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from helpers import REPO
 from servegrid import paths
@@ -27,8 +29,9 @@ from servegrid.stats.sampling import SamplingRule
 DATA = REPO / "tests" / "data" / "calibrations"
 
 
-def stand_in_experiment() -> Experiment:
-    """Two configurations of the calibration stand-in: 'quick' decodes a token in 5 ms, 'slow' in 20 ms."""
+def stand_in_experiment(**more: dict[str, Any]) -> Experiment:
+    """Two configurations of the calibration stand-in: 'quick' decodes a token in 5 ms, 'slow' in 20 ms (and
+    ``more``)."""
     engine = [sys.executable, "-m", "servegrid.testing.calibration", "--model", "{model}"]
     return Experiment(
         {
@@ -38,6 +41,7 @@ def stand_in_experiment() -> Experiment:
             "configurations": {
                 "quick": {"label": "quick", "prefix_caching": True},
                 "slow": {"label": "slow", "prefix_caching": True, "args": ["--interval", "0.02"]},
+                **more,
             },
             "sampling": {"target_rel_ci": 0.05, "min_samples": 8, "max_samples": 64, "max_duration_s": 30},
             "workloads": {"decode": {"contexts": [16, 32, 64], "concurrency": [1, 2], "output_tokens": 8}},
@@ -138,3 +142,39 @@ def test_a_calibration_of_every_format_written_reads_back(tmp_path):
     newer.write_text("{")
     with pytest.raises(CellFileError, match="delete it to calibrate again"):
         calibration_file.read(newer)
+
+
+def test_a_configuration_its_engine_refuses_is_calibrated_as_refused_and_priced_so(sandbox, monkeypatch):
+    """The engine dies of its own error at its first request (the hybrid's MTP with prefix caching on vLLM's CPU
+    build): the calibration records the refusal and what it took instead of failing, and the estimate prices its
+    cells as the run writes them, refused after the starts, a job's own cost each."""
+    refusing = {"label": "refuses", "prefix_caching": True, "args": ["--fault", "1=engine-death"]}
+    experiment = stand_in_experiment(refuses=refusing)
+    out = paths.calibration_path("refuses")
+    done = calibration_pass.calibrate(
+        experiment, "refuses", out, owner=procs.ProcessRef.of(os.getpid()), runtime=sandbox
+    )
+    assert done.refused and "told to refuse this configuration" in done.refused, done
+    assert done.probes == [] and done.startup_s > 0 and done.job_start_s > 0
+    assert calibration_file.read(out) == done
+    assert not any(r["alive"] for r in server.status(sandbox))
+    est = estimate.estimate(experiment, None, {"refuses": done})
+    priced = [c for c in est.cells if c.cell.configuration == "refuses"]
+    assert priced and all(c.measuring == estimate.Range(0.0, 0.0) for c in priced)
+    assert {c.basis for c in priced} == {"refused by its engine (calibration)"}
+    assert est.startup["refuses"] == calibrated.startup(done)
+    assert any(note.startswith("refuses: refused by its engine") for note in est.assumptions)
+
+
+def test_an_open_loop_grid_probes_its_shortest_schedule_as_the_grid_has_it():
+    """`make demo-traffic`'s grid has no closed-loop cell: its calibration probes the open-loop cell of the shortest
+    arrival schedule (what a cell job costs beyond its schedule), unchanged but for the mark, within a time limit
+    that allows its schedule and its last answers."""
+    traffic = Experiment(yaml.safe_load((REPO / "config" / "cpu-traffic-demo.yaml").read_text()))
+    (probe,) = calibration_pass.probe_cells(traffic, "ngram")
+    schedules = {c.id: calibration_pass.schedule_s(traffic, c) for c in traffic.cells("ngram")}
+    assert schedules[probe.id] == min(schedules.values()) and probe.open_loop
+    assert schedules["ngram/single_turn/ctx1024_r2"] == pytest.approx(2 + 30 / 2)  # ramp + 30 arrivals at 2/s
+    assert calibration_pass.probe_settings(traffic, probe) == traffic.cell_settings(probe) | {"calibration": True}
+    limit = calibration_pass.time_limit_s(traffic, "ngram")
+    assert limit > traffic.operations.startup_timeout_s + schedules[probe.id] + traffic.operations.request_timeout_s

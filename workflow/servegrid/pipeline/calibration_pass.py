@@ -30,11 +30,13 @@ from typing import Any
 import servegrid
 from servegrid import modes
 from servegrid.config import CellSpec, Experiment, spec_hash
-from servegrid.errors import CellError
+from servegrid.errors import CellError, EngineRefused
 from servegrid.pipeline import slurm
 from servegrid.pipeline.cell_job import run_cell
 from servegrid.records import calibration_file, cell_file, per_request
 from servegrid.records.calibration_file import Calibration, Probe
+from servegrid.records.cell_settings import CellSettings
+from servegrid.records.cell_spec import Rate, Replay
 from servegrid.serving import procs, server
 from servegrid.stats.sampling import MIN_SAMPLES_FLOOR
 
@@ -45,22 +47,35 @@ PROBE_LIMIT_S = 20.0  # a probe's measured phase at most (the cell's own limit, 
 
 
 def probe_cells(experiment: Experiment, configuration: str) -> list[CellSpec]:
-    """The configuration's probes: per closed-loop mode with a sequential rule, its lightest and heaviest cell."""
-    closed = [
-        c
-        for c in experiment.cells(configuration)
-        if not c.open_loop and experiment.sampling_rules.get(c.mode) is not None
-    ]
+    """The configuration's probes: per closed-loop mode with a sequential rule, its lightest and heaviest cell. A grid
+    without such cells (open loop only: their time is their schedule) probes its shortest open-loop cell, for what a
+    cell job costs beyond its schedule."""
+    cells = experiment.cells(configuration)
+    closed = [c for c in cells if not c.open_loop and experiment.sampling_rules.get(c.mode) is not None]
     probes: list[CellSpec] = []
     for mode in dict.fromkeys(c.mode for c in closed):
         own = sorted((c for c in closed if c.mode == mode), key=lambda c: (c.context, c.sessions or 1))
         probes += list(dict.fromkeys((own[0], own[-1])))
+    open_loop = [c for c in cells if c.open_loop]
+    if not probes and open_loop:
+        probes.append(min(open_loop, key=lambda c: schedule_s(experiment, c)))
     return probes
 
 
+def schedule_s(experiment: Experiment, cell: CellSpec) -> float:
+    """An open-loop cell's arrival schedule: its ramp and its measured arrivals at the offered rate, every repeat."""
+    settings = CellSettings(experiment.cell_settings(cell))
+    window = settings.open_loop_window
+    assert isinstance(cell.load, Rate | Replay)  # open loop
+    return settings.repeats * (float(window["ramp_s"]) + int(window["requests"]) / cell.load.per_s)
+
+
 def probe_settings(experiment: Experiment, cell: CellSpec) -> dict[str, Any]:
-    """The cell's settings, measured to :data:`PROBE_SAMPLES` once (no repeats), marked as a calibration's."""
+    """The cell's settings, measured to :data:`PROBE_SAMPLES` once (no repeats), marked as a calibration's (an
+    open-loop cell's unchanged but for the mark)."""
     settings = experiment.cell_settings(cell)
+    if settings["sampling"]["rule"] is None:  # an open-loop cell: its schedule, as the grid has it
+        return settings | {"calibration": True}
     rule = dict(settings["sampling"]["rule"])
     rule.update(
         min_samples=PROBE_SAMPLES,
@@ -75,10 +90,13 @@ def time_limit_s(experiment: Experiment, configuration: str) -> float:
     """The longest a calibration may take (a cluster job's time limit): the server's start, every probe at its
     limit with a cell job's overhead, and the stop."""
     operations = experiment.operations
-    probes = len(probe_cells(experiment, configuration))
-    return (
-        operations.startup_timeout_s + probes * (PROBE_LIMIT_S + slurm.CELL_OVERHEAD_S) + operations.shutdown_timeout_s
+    probing = sum(
+        # An open-loop probe lasts its schedule, then its last requests' answers (each within the request timeout).
+        (schedule_s(experiment, cell) + operations.request_timeout_s if cell.open_loop else PROBE_LIMIT_S)
+        + slurm.CELL_OVERHEAD_S
+        for cell in probe_cells(experiment, configuration)
     )
+    return operations.startup_timeout_s + probing + operations.shutdown_timeout_s
 
 
 def calibrate(
@@ -95,8 +113,10 @@ def calibrate(
     cells = probe_cells(experiment, configuration)
     if not cells:
         raise CellError(f"calibration of {configuration}: the grid has no cell to probe (closed loop, sequential rule)")
-    probes = []
+    probes: list[Probe] = []
+    refused = None
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     try:
         # Up first, so that each probe's job time is a reused server's, as for every cell but a run's first.
         with server.lease(configuration, runtime):
@@ -106,18 +126,30 @@ def calibrate(
             for cell in cells:
                 started = time.monotonic()
                 path = Path(scratch) / f"{cell.mode}-{cell.context}-{cell.sessions}.parquet"
-                run_cell(experiment, cell, path, owner, spec, runtime, settings=probe_settings(experiment, cell))
+                done = run_cell(experiment, cell, path, owner, spec, runtime, settings=probe_settings(experiment, cell))
+                if done.refused:  # the engine died of its own error in a cell: its cells will be written as refused
+                    refused = done.refused
+                    break
                 probes.append(_probe(cell, path, time.monotonic() - started))
                 log.info("calibration %s: probe %s, %s", configuration, cell.id, _said(probes[-1]))
+    except EngineRefused as exc:
+        # The engine refuses this configuration (it died of the same error at its first request on two starts), so
+        # the run will write its cells as refused: what that costs is the two starts, then a job start per cell.
+        refused, startup_s = exc.reason, time.monotonic() - started
     finally:
         server.stop(configuration, runtime, reason="calibration done")
+    if refused:
+        log.warning(
+            "calibration %s: refused by its engine (%s); its cells will be written as refused", configuration, refused
+        )
     calibration = Calibration(
         configuration=configuration,
         spec_hash=spec_hash(spec),
         measured_at=measured_at,
         startup_s=startup_s,
         job_start_s=job_start_s(),
-        probes=probes,
+        probes=[] if refused else probes,
+        refused=refused,
     )
     calibration_file.write(out_path, calibration)
     return calibration

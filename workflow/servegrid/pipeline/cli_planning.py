@@ -65,7 +65,10 @@ def calibrate_configurations(experiment: Experiment, names: list[str], force: bo
             print(f"{name}: calibrated for this server spec ({path}, {current[name].measured_at}); --force redoes it")
             continue
         done = calibration_pass.calibrate(experiment, name, path, owner=procs.ProcessRef.of(os.getpid()))
-        print(f"{name}: calibrated, {len(done.probes)} probes, start {done.startup_s:.0f} s ({path})")
+        if done.refused:
+            print(f"{name}: refused by its engine ({done.refused}), after {done.startup_s:.0f} s ({path})")
+        else:
+            print(f"{name}: calibrated, {len(done.probes)} probes, start {done.startup_s:.0f} s ({path})")
         current[name] = done
     return current
 

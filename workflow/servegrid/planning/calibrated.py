@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Mapping
 
 from servegrid.config import CellSpec, Experiment
-from servegrid.planning.cost_model import CellEstimate, Range, unit_seconds
+from servegrid.planning.cost_model import ZERO, CellEstimate, Range, unit_seconds
 from servegrid.records.calibration_file import Calibration, Probe
 from servegrid.records.cell_spec import Sessions
 from servegrid.stats.sample_forecast import measuring_time
@@ -50,6 +50,10 @@ def cell_estimate(
 ) -> CellEstimate | None:
     """The cell priced from ``calibration``; None where it has no probe of the cell's mode (or the cell has no
     sequential rule, or is open-loop: their time is their count or schedule)."""
+    if calibration.refused:
+        # The run writes the cell as refused at once (the refusal is recorded for the run after its first cell's
+        # two starts, servegrid.serving.server): a job's own cost, no measuring.
+        return CellEstimate(cell, ZERO, job_overhead(calibration), "refused by its engine (calibration)")
     rule = experiment.sampling_rules.get(cell.mode)
     probe = nearest_probe(calibration, cell)
     if probe is None or rule is None or cell.open_loop:
@@ -77,5 +81,6 @@ def job_overhead(calibration: Calibration) -> Range:
 
 
 def startup(calibration: Calibration) -> Range:
-    """One server start: the calibration's, within :data:`STARTUP_SPREAD` of it."""
+    """One server start: the calibration's, within :data:`STARTUP_SPREAD` of it (a refused configuration's: the
+    two starts that end in its refusal)."""
     return Range(calibration.startup_s * STARTUP_SPREAD[0], calibration.startup_s * STARTUP_SPREAD[1])

@@ -87,6 +87,13 @@ def estimate(
     notes.append(f"each cell's own cost beyond measuring: {overhead.low:.0f}-{overhead.high:.0f} s")
     for name, calibration in calibrations.items():
         own = calibrated.job_overhead(calibration)
+        if calibration.refused:
+            notes.append(
+                f"{name}: refused by its engine at calibration {calibration.measured_at} ({calibration.refused}); "
+                f"its cells are written as refused after {calibration.startup_s:.0f} s of starts, "
+                f"{own.low:.1f}-{own.high:.1f} s each"
+            )
+            continue
         notes.append(
             f"{name}: calibrated {calibration.measured_at} ({len(calibration.probes)} probes; start "
             f"{calibration.startup_s:.0f} s, each cell's own cost {own.low:.1f}-{own.high:.1f} s, Snakemake's "

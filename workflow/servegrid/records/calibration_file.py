@@ -4,7 +4,8 @@
 Kept beside the server spec (``results/servers/<configuration>/calibration.json``) and valid for that spec only:
 ``spec_hash`` says which server it measured, and an estimate ignores a calibration of another spec. Each probe is one
 cell of the grid measured to a fixed count: its primary figure's values (whose spread decides how many samples a cell
-of the sequential rule needs), its measuring seconds and rounds, and what its job took beyond measuring.
+of the sequential rule needs), its measuring seconds and rounds, and what its job took beyond measuring. A
+configuration its engine refuses has no probe: the engine's reason and what the refusal took.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 from servegrid import atomic
 from servegrid.errors import CellFileError, NewerFormatError
 
-FORMAT_VERSION = 1  # read() reads every version written (there is one: 1)
+# read() reads every version written: 1 (2026-12-07), 2 (adds ``refused``; a file of format 1 was never refused)
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class Calibration:
     startup_s: float  # the server session's start to healthy, warm-up included
     job_start_s: float  # a cell job's interpreter start: Python and servegrid's imports
     probes: list[Probe] = field(default_factory=list)
+    # The engine's reason where it refused the configuration (it died of its own error at its first request, or in a
+    # probe): no probes; ``startup_s`` is then what the refusal took (servegrid's two starts).
+    refused: str | None = None
     format_version: int = FORMAT_VERSION
 
     def as_json(self) -> dict[str, Any]:
