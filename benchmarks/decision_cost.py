@@ -32,27 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "workflow"))
 
 from servegrid.config import Experiment  # noqa: E402
+from servegrid.testing import workflow_copy  # noqa: E402
 
 POLICIES = ("precision", "verdict")
 
 
 def copy_workflow(dest: Path) -> Path:
-    """The repository's tracked and untracked-not-ignored files, the engines' environments linked."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        source = ROOT / name
-        if source.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dest / name)
-    for env in (".venv-vllm", ".venv-litellm"):
-        if (ROOT / env).exists():
-            (dest / env).symlink_to(ROOT / env)
-    return dest
+    """The repository's workflow copied to ``dest`` (servegrid.testing.workflow_copy)."""
+    return workflow_copy.copy_workflow(ROOT, dest)
 
 
 def snakemake(workdir: Path, *targets: str) -> float:

@@ -262,32 +262,10 @@ def synthetic_cell_of(root: Path, cell: Any, **timings: Any) -> None:
 
 
 def copy_workflow(dest: Path) -> Path:
-    """The repository's files (tracked and untracked-but-not-ignored) copied to ``dest``.
+    """The repository's files copied to ``dest``, the engines' environments linked (servegrid.testing.workflow_copy)."""
+    from servegrid.testing.workflow_copy import copy_workflow as copy
 
-    The vLLM and LiteLLM environments are linked, not copied: configs name them by relative path.
-    """
-    import shutil
-    import subprocess
-
-    listed = (
-        subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=REPO,
-            capture_output=True,
-            check=True,
-        )
-        .stdout.decode()
-        .split("\0")
-    )
-    for name in filter(None, listed):
-        source = REPO / name
-        if source.is_file():
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-    (dest / ".venv-vllm").symlink_to(REPO / ".venv-vllm")
-    (dest / ".venv-litellm").symlink_to(REPO / ".venv-litellm")
-    return dest
+    return copy(REPO, dest)
 
 
 def snakemake(workdir: Path, *args: str, timeout: float = 1800):  # type: ignore[no-untyped-def]
