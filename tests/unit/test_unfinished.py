@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -59,3 +60,35 @@ def test_each_configuration_left_is_named_with_its_reason(demo_raw, tmp_path, mo
         Path(cell.path).parent.mkdir(parents=True, exist_ok=True)
         Path(cell.path).write_bytes(b"measured")
     assert unfinished.text(experiment, runtime, owner) == ""
+
+
+def test_top_ups_a_round_decided_and_the_run_left_are_named_with_their_reason(demo_raw, tmp_path, monkeypatch):
+    """Sampling that serves the verdict: every cell measured, round 1 decided to top up three cells of one
+    configuration, one top-up measured, one failed (its log says why), one not reached."""
+    monkeypatch.chdir(tmp_path)
+    demo_raw["sampling"] |= {"policy": "verdict", "top_up_rounds": 2}
+    experiment = Experiment(demo_raw)
+    runtime = Runtime(state_dir=str(tmp_path / "state"))
+    owner = procs.ProcessRef.of(os.getpid())
+    for cell in experiment.cells():
+        Path(cell.path).parent.mkdir(parents=True, exist_ok=True)
+        Path(cell.path).write_bytes(b"measured")
+    assert unfinished.text(experiment, runtime, owner) == ""
+    name = next(iter(experiment.configurations))
+    done, failed, not_reached = experiment.cells(name)[:3]
+    Path(paths.decision(1)).parent.mkdir(parents=True, exist_ok=True)
+    Path(paths.decision(1)).write_text(
+        json.dumps({"format_version": 1, "top_up": [done.id, failed.id, not_reached.id, "gone/decode/ctx1_c1"]})
+    )
+    Path(done.top_up_path(1)).parent.mkdir(parents=True, exist_ok=True)
+    Path(done.top_up_path(1)).write_bytes(b"measured")
+    log = Path(
+        paths.TOP_UP_LOG_PATTERN.format(
+            configuration=name, mode=failed.mode, context=failed.context, load=failed.load.label, round=1
+        )
+    )
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("2026-12-08 00:00:00,000 ERROR servegrid: servegrid: error: the server for 'x' exited\n")
+    said = unfinished.text(experiment, runtime, owner)
+    assert f"  {name}: 2 top-up(s) of round 1 not measured; the server for 'x' exited ({log})" in said, said
+    assert "cells not measured" not in said
