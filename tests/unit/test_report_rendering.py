@@ -161,3 +161,25 @@ def test_the_production_section_prices_a_million_tokens_in_both_languages(render
     assert re.search(r"US\$\s0,08 por hora de dispositivo", pt) and re.search(r"eszközóránként 0,08\sUSD", hu)
     # And what the run took, in device hours and their price.
     assert "O que a execução custou" in pt and "Mibe került a futtatás" in hu
+
+
+@pytest.mark.parametrize("lang", ["pt", "hu"])
+def test_a_first_pass_at_its_least_samples_is_not_marked_imprecise_under_the_verdict_policy(lang):
+    """≈ marks a cell that stopped at a ceiling before its precision target. Under sampling.policy: verdict a first
+    pass stops at its least number of samples by design: only its time limit marks it."""
+    from types import SimpleNamespace
+
+    from servegrid.reporting.document import environment
+
+    env, _, _ = environment(lang)
+    cell = '{% from "macros.html.j2" import precision with context %}{{ precision(c) }}'
+    template = env.from_string(cell)
+
+    def marked(reason: str, top_up_rounds: int | None) -> bool:
+        c = SimpleNamespace(primary_rel_ci=0.08, sampling_reason=reason)
+        data = SimpleNamespace(experiment=SimpleNamespace(top_up_rounds=top_up_rounds))
+        return "≈" in template.render(c=c, data=data)
+
+    assert marked("max_samples", None) and marked("max_duration", None)  # precision policy: both ceilings
+    assert not marked("max_samples", 2) and marked("max_duration", 2)
+    assert not marked("precise", None) and not marked("precise", 2)
