@@ -367,8 +367,8 @@ def test_the_warm_up_crosses_two_of_the_servers_blocks_and_hits_them(monkeypatch
 
     with httpx.Client(transport=httpx.MockTransport(answer)) as client:
         facts = VLLMEngine().warm_up_cache(client, "http://server", "hy")
-    # Two blocks and one token: a hybrid's align mode hits on the second send only where the prompt's last whole
-    # hash unit ends on a block boundary (960 tokens hit none on vLLM 0.32 CPU, block 384, unit 128).
+    # Two blocks and one token: a hybrid's align mode hits on the second send only where the prompt ends close past a
+    # block boundary (on vLLM 0.32's CPU build, block 384: 769-895 tokens hit 768, 960 none).
     assert facts == {"prompt_tokens": 769, "block_tokens": 384, "hit_tokens": 768}
     assert len(prompts) == 2 and prompts[0] == prompts[1] and len(prompts[0]) == 769 > 2 * 384
     assert prompts[0][:4] == [11, 12, 13, 11]

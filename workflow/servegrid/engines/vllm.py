@@ -42,11 +42,11 @@ from servegrid.errors import ServerError
 CHECKED_VLLM_VERSION = "0.32.0"
 
 # The cache warm-up (VLLMEngine.warm_up): a prompt of two of the server's cache blocks and one token more, answered
-# with a few tokens. One token, not half a block: a hybrid model in "align" mode hashes the prompt in units finer
-# than its (enlarged) block, the engine's default block (CPU 128, CUDA 16), and on the first send it keeps the
-# state where the prompt's last whole unit ends. Only where that is a block boundary does the second send hit:
-# vLLM 0.32 CPU, block forced to 384: prompts of 769-895 tokens hit 768, of 897-1100 none (2026-12-07; 960 hit
-# none on the CI run of that day).
+# with a few tokens. One token, not half a block: on vLLM 0.32's CPU build a hybrid model in "align" mode (block 384)
+# hits a repeated prompt's whole blocks on the second send only when the prompt ends close past its last block
+# boundary: 769-895 tokens hit 768, 897-1,100 none (2026-12-07; 960, the earlier warm-up, hit none on that day's CI);
+# 16-116 tokens past hit and 132-332 not on 2026-12-05. Why is not established (docs/verdict.md: it comes with vLLM
+# enlarging the block; given as --block-size 384, 960 tokens hit 768). One token past two blocks hit every time.
 WARM_UP_BLOCKS = 2
 WARM_UP_TAIL_TOKENS = 1
 WARM_UP_OUTPUT_TOKENS = 8
