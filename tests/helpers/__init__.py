@@ -141,6 +141,8 @@ def synthetic_cell(
     kv_usage_max: float = 0.1,
     server: dict[str, Any] | None = None,
     gpus: dict[str, Any] | None = None,
+    started_at: str = "2026-11-29T10:00:00+00:00",
+    wall_s: float = 0.0,
     energy_j: float | None = None,
     top_up_round: int = 0,
 ) -> None:
@@ -150,6 +152,8 @@ def synthetic_cell(
     the one repeat (the server then counts every request's prompt and output tokens); ``top_up_round``: the file is
     that round's top-up of the cell (its requests in repeat ``top_up_round``, its settings saying so)."""
     import random as _random
+    from datetime import datetime as _datetime
+    from datetime import timedelta as _timedelta
 
     from servegrid.records import cell_file
     from servegrid.records.cell_record import CellRecord
@@ -250,8 +254,8 @@ def synthetic_cell(
             "gpus": gpus,
             "repeats": repeats,
         },
-        started_at="2026-11-29T10:00:00+00:00",
-        ended_at="2026-11-29T10:00:00+00:00",
+        started_at=started_at,
+        ended_at=(_datetime.fromisoformat(started_at) + _timedelta(seconds=wall_s)).isoformat(),
     )
     cell_file.write_cell(path, recs, record)
 

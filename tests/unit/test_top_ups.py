@@ -58,7 +58,8 @@ def test_a_cell_and_its_top_ups_are_one_cell_of_every_repeat(tmp_path, monkeypat
     experiment = verdict_experiment(demo_raw)
     cell = experiment.cells()[0]
     timings = {"ttft_s": 0.1, "interval_s": 0.005, "requests": 8}
-    synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, 1, **timings)
+    # Jobs of 5, 7 and 9 s, ten minutes apart (other cells' jobs ran between them).
+    synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, 1, **timings, wall_s=5.0)
     for round_ in (1, 2):
         synthetic_cell(
             tmp_path / cell.top_up_path(round_),
@@ -68,6 +69,8 @@ def test_a_cell_and_its_top_ups_are_one_cell_of_every_repeat(tmp_path, monkeypat
             1,
             **timings,
             top_up_round=round_,
+            started_at=f"2026-11-29T10:{round_}0:00+00:00",
+            wall_s=5.0 + 2 * round_,
         )
     requests, metas = load_cells([cell.path], [cell.top_up_path(2), cell.top_up_path(1)])
     assert len(requests) == 24
@@ -77,6 +80,9 @@ def test_a_cell_and_its_top_ups_are_one_cell_of_every_repeat(tmp_path, monkeypat
     assert [t["round"] for t in meta.top_ups] == [1, 2]
     assert meta.sampling["top_up_rounds"] == [1, 2]
     assert meta.server_metrics["gauges"]["samples"] == 9  # three phases' gauge samples, 3 each
+    # Its wall time is its jobs' walls added up, not the span from the cell's start to the last top-up's end (which
+    # counts every other job run between them: on the CPU demo 5.19 device hours instead of about 0.1).
+    assert meta.wall_s == pytest.approx(5.0 + 7.0 + 9.0)
     # The summary counts the pooled requests and says how many top-ups it holds.
     run = measured_run(experiment, [cell.path], [cell.top_up_path(1), cell.top_up_path(2)])
     row = run.summary.iloc[0]

@@ -53,15 +53,16 @@ def _pooled_record(record: CellRecord, top: CellRecord) -> CellRecord:
     }
     earlier = (record.sampling or {}).get("top_up_rounds", [])
     sampling = dict(record.sampling or {}) | {"top_up_rounds": [*earlier, top.cell_settings.top_up_round]}
-    summary = {"round": top.cell_settings.top_up_round, "wall_s": top.wall_s, "server": top.server}
-    return replace(
-        record,
-        **phase,
-        sampling=sampling,
-        other_routes=routes,
-        ended_at=top.ended_at,
-        top_ups=(*record.top_ups, summary),
-    )
+    summary = {
+        "round": top.cell_settings.top_up_round,
+        "wall_s": top.wall_s,
+        "server": top.server,
+        "started_at": top.started_at,
+        "ended_at": top.ended_at,
+    }
+    # The record keeps its own job's start and end: its wall time is that job's plus its top-ups' (CellRecord.wall_s),
+    # not the span to the last top-up's end, which holds every other job run in between.
+    return replace(record, **phase, sampling=sampling, other_routes=routes, top_ups=(*record.top_ups, summary))
 
 
 def _phase(record: CellRecord) -> dict[str, Any]:
