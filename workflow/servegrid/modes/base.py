@@ -108,10 +108,19 @@ class Mode:
     def expected_hit_rate(
         self, prefix_caching: bool, settings: CellSettings, measured: pd.DataFrame, cache: PrefixCache
     ) -> float:
-        """The prefix-cache hit rate this mode should produce over ``measured``: 0 without prefix caching."""
+        """The prefix-cache hit rate this mode should produce over ``measured``: 0 without prefix caching. Each repeat
+        (a cell's, or a top-up's) ran the workload again from a reset cache with the same sessions and sequence
+        numbers, so each is expected on its own, weighted by its prompt tokens."""
         if not prefix_caching or measured.empty or self.expected_hits is None:
             return 0.0
-        return float(self.expected_hits(settings, measured, cache))
+        if "repeat" not in measured.columns or measured["repeat"].nunique() < 2:
+            return float(self.expected_hits(settings, measured, cache))
+        hits = total = 0.0
+        for _, repeat in measured.groupby("repeat"):
+            tokens = float(repeat["prompt_tokens_reported"].astype(float).sum())
+            hits += float(self.expected_hits(settings, repeat, cache)) * tokens
+            total += tokens
+        return hits / total if total else 0.0
 
     def extra_columns(self, valid: pd.DataFrame, cell_frame: pd.DataFrame) -> dict[str, Any]:
         """This mode's own summary columns for one cell (valid measured requests; every request)."""
