@@ -220,7 +220,6 @@ def test_multi_turn_expects_each_previous_turn_in_whole_blocks():
     assert multi.expected_hit_rate(True, anything, measured, PrefixCache(384, 1)) == pytest.approx((0 + 384) / total)
 
 
-
 def test_each_repeat_expects_its_own_hits_from_a_reset_cache():
     """A cell's repeats, and a top-up's (sampling.policy: verdict), each run the workload again from a reset cache with
     the same sessions and sequence numbers: a repeat's first turn finds nothing of the repeat before. Pooled as one
@@ -237,6 +236,7 @@ def test_each_repeat_expects_its_own_hits_from_a_reset_cache():
     hybrid = CellSettings({"context": 868, "concurrency": 2, "workload": {"suffix_tokens": 32, "warmup_requests": 1}})
     rounds = pd.DataFrame({"prompt_tokens_reported": [900] * 6, "repeat": [0] * 3 + [1] * 3})
     assert single.expected_hit_rate(True, hybrid, rounds, PrefixCache(384, 0, 2)) == pytest.approx(768 / 900 * 2 / 6)
+
 
 def test_a_cells_live_tokens_count_whole_blocks():
     measured = pd.DataFrame({"prompt_tokens_requested": [290, 300], "output_tokens_requested": [8, 8]})
