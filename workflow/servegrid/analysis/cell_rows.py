@@ -39,6 +39,7 @@ class CellRows:
 
 
 HOOK_COLUMNS = [
+    "repeat",  # each repeat (a top-up's too) ran from a reset cache: the modes' expected hits count it on its own
     "session",
     "seq",
     "turn",
