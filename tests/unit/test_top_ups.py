@@ -156,6 +156,29 @@ def test_a_round_tops_up_only_the_open_groups_cells_and_the_last_round_says_budg
     assert last["top_up"] == []
 
 
+def test_a_cell_at_its_own_ceiling_is_not_topped_up(tmp_path, monkeypatch, demo_raw):
+    """The verdict policy never samples a cell past what the precision policy would (its rule's max_samples and
+    max_duration_s as written): an open group whose cells reached it stops on its budget. On the CPU demo, without
+    this, near-tied groups took every round and the verdict policy measured 1.31 times the precision policy's
+    seconds (benchmarks/decision_cost.py, 2026-12-08)."""
+    monkeypatch.chdir(tmp_path)
+    raw = verdict_raw(demo_raw, rounds=2)
+    raw["workloads"]["single_turn"]["sampling"] = {"max_samples": 8}  # the first pass's 8 samples: the ceiling
+    experiment = Experiment(raw)
+    assert (
+        experiment.top_up_ceilings["single_turn"][0] == 8 and experiment.sampling_rules["single_turn"].max_samples == 8
+    )
+    cells = write_grid(tmp_path, experiment, spread=0.5)  # single-turn: alike, too spread out to call a tie
+    first = top_ups.decide_round(experiment, 1, top_ups.CellFiles(cells, []), tmp_path / "round1.json")
+    assert states(first) == {"decode": "decided", "single_turn": "budget"}
+    assert first["top_up"] == []
+    # Below its ceiling the same group is topped up (the rule as the demo writes it: up to 300 samples).
+    roomy = verdict_experiment(demo_raw, rounds=2)
+    assert roomy.top_up_ceilings["single_turn"][0] > 8
+    again = top_ups.decide_round(roomy, 1, top_ups.CellFiles(cells, []), tmp_path / "round1-roomy.json")
+    assert states(again)["single_turn"] == "open" and len(again["top_up"]) == 2
+
+
 def test_cells_a_time_limit_stopped_below_a_median_are_topped_up_not_left_out(tmp_path, monkeypatch, demo_raw):
     # Decode measured clearly apart, but in 3 requests each (a time limit hit): no median the summary reports, so
     # the group is open and both cells are topped up (they were left out of the decisions before, never topped up).

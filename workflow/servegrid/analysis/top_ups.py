@@ -14,6 +14,7 @@ not change "neither"), as is one with fewer than two configurations with values 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +56,12 @@ def decide_round(experiment: Experiment, round_: int, files: CellFiles, out_path
         group = _judge(experiment, round_, mode, context, concurrency, cells, values)
         group["top_ups"] = max((rounds_of.get(c["cell_id"], 0) for c in cells), default=0)
         if group["state"] == "open":
-            if last:
+            wanted = [c for c in cells if c["configuration"] in group["open_configurations"]]
+            below = [c for c in wanted if below_ceiling(experiment, c)]
+            if last or not below:  # the rounds are spent, or every cell it needs is at its own ceiling
                 group["state"] = "budget"
             else:
-                top_up += [c["cell_id"] for c in cells if c["configuration"] in group["open_configurations"]]
+                top_up += [c["cell_id"] for c in below]
         groups.append(group)
     decision = {
         "format_version": FORMAT_VERSION,
@@ -72,13 +75,20 @@ def decide_round(experiment: Experiment, round_: int, files: CellFiles, out_path
     return decision
 
 
+def below_ceiling(experiment: Experiment, cell: Mapping[str, Any]) -> bool:
+    """Whether a cell (its pooled summary row) is below its own ceiling, its rule's max_samples and max_duration_s as
+    written: a top-up never takes a cell past what the precision policy would have sampled."""
+    most_samples, most_seconds = experiment.top_up_ceilings.get(str(cell["mode"]), (math.inf, math.inf))
+    return float(cell["primary_n"] or 0) < most_samples and float(cell["duration_s"] or 0.0) < most_seconds
+
+
 def _groups(closed: pd.DataFrame) -> list[tuple[tuple[str, int, int], list[dict[str, Any]]]]:
     """Each closed-loop group's valid cells; one with too few values for a median is judged too (its pair stays
     open, stats.group_decision.MIN_VALUES), so that a top-up completes it."""
     if closed.empty:
         return []
     usable = closed[closed["valid"].astype(bool)]
-    columns = ["cell_id", "configuration", "mode", "context", "concurrency", "kv_limited"]
+    columns = ["cell_id", "configuration", "mode", "context", "concurrency", "kv_limited", "primary_n", "duration_s"]
     out: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for record in usable[columns].to_dict("records"):
         out.setdefault((record["mode"], int(record["context"]), int(record["concurrency"])), []).append(record)

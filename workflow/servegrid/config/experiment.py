@@ -119,6 +119,14 @@ class Experiment(Presentation):
         self.top_up_rounds: int | None = (
             int(r["sampling"]["top_up_rounds"]) if r["sampling"]["policy"] == "verdict" else None
         )
+        # Under it, a cell's own ceiling as its rule is written (max_samples, max_duration_s, per sequential mode): its
+        # top-ups stop there, so that the verdict policy never samples a cell past what the precision policy would.
+        self.top_up_ceilings: dict[str, tuple[int, float]] = {}
+        if self.top_up_rounds is not None:
+            as_written = sampling_rules(raw, r | {"sampling": r["sampling"] | {"policy": "precision"}}, enabled)
+            self.top_up_ceilings = {
+                mode: (rule.max_samples, rule.max_duration_s) for mode, rule in as_written.items() if rule is not None
+            }
         self.languages: list[str] = list(r["report"]["languages"])
         self.report_formats: list[str] = list(r["report"]["formats"])
         self.report_baseline: str | None = r["report"]["baseline"]
