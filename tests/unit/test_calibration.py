@@ -134,7 +134,11 @@ def test_the_forecast_follows_the_sampling_rule():
 def test_a_calibration_of_every_format_written_reads_back(tmp_path):
     # Format 1, as `servegrid calibrate` wrote it (tests/data/calibrations/README.md).
     old = calibration_file.read(DATA / "v1.json")
-    assert old.format_version == 1 and old.probes and old.probes[0].values
+    assert old.format_version == 1 and old.probes and old.probes[0].values and old.refused is None
+    # Format 2, a configuration its engine refused (the hybrid demo's MTP with prefix caching on vLLM's CPU build).
+    refused = calibration_file.read(DATA / "v2-refused.json")
+    assert refused.format_version == 2 and refused.probes == [] and refused.startup_s > 0
+    assert refused.refused and "mamba_utils.py" in refused.refused
     newer = tmp_path / "calibration.json"
     newer.write_text(json.dumps({"format_version": calibration_file.FORMAT_VERSION + 1}))
     with pytest.raises(NewerFormatError, match="newer servegrid"):

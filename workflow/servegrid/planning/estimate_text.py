@@ -28,7 +28,8 @@ def text(est: Estimate, cores: int | None) -> str:
         )
     groups = "; ".join(" → ".join(g) for g in est.groups)
     lines.append(f"run one after another (a device in common): {groups}")
-    lines += [f"assumed: {note}" for note in est.assumptions]
+    # What the estimate rests on: the config's assumed speeds, an earlier run, each calibration (or refusal).
+    lines += [f"priced from: {note}" for note in est.assumptions]
     return "\n".join(lines)
 
 
