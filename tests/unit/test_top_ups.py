@@ -177,6 +177,13 @@ def test_a_cell_at_its_own_ceiling_is_not_topped_up(tmp_path, monkeypatch, demo_
     assert roomy.top_up_ceilings["single_turn"][0] > 8
     again = top_ups.decide_round(roomy, 1, top_ups.CellFiles(cells, []), tmp_path / "round1-roomy.json")
     assert states(again)["single_turn"] == "open" and len(again["top_up"]) == 2
+    # A cell its time limit stopped before a median (3 values here) is topped up all the same: without one its
+    # group can have no verdict (test_cells_a_time_limit_stopped_below_a_median_are_topped_up_not_left_out).
+    timed = experiment.cells("ngram")[1]
+    synthetic_cell_of(tmp_path, timed, requests=3, ttft_s=2.0, interval_s=0.002, wall_s=30.0)  # 6.2 s: past 5
+    short = top_ups.decide_round(experiment, 1, top_ups.CellFiles(cells, []), tmp_path / "round1-short.json")
+    assert experiment.top_up_ceilings["single_turn"][1] == 5
+    assert timed.mode == "single_turn" and short["top_up"] == [timed.id]
 
 
 def test_cells_a_time_limit_stopped_below_a_median_are_topped_up_not_left_out(tmp_path, monkeypatch, demo_raw):

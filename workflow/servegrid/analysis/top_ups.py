@@ -28,7 +28,7 @@ from servegrid.analysis.measured_run import measured_run
 from servegrid.analysis.requests_table import closed_loop
 from servegrid.config import Experiment
 from servegrid.errors import CellFileError, NewerFormatError
-from servegrid.stats.group_decision import decide_group
+from servegrid.stats.group_decision import MIN_VALUES, decide_group
 
 FORMAT_VERSION = 1  # of the decision files; read_decisions reads every version written
 # How a group's sampling stopped, in the comparisons table (None: the precision policy, no decision was made).
@@ -77,9 +77,12 @@ def decide_round(experiment: Experiment, round_: int, files: CellFiles, out_path
 
 def below_ceiling(experiment: Experiment, cell: Mapping[str, Any]) -> bool:
     """Whether a cell (its pooled summary row) is below its own ceiling, its rule's max_samples and max_duration_s as
-    written: a top-up never takes a cell past what the precision policy would have sampled."""
+    written: a top-up never takes a cell past what the precision policy would have sampled. Except a cell its time
+    limit stopped before it had a median (MIN_VALUES): the precision policy would leave it without one, and its group
+    without a verdict; it is topped up (within the rounds) until it has one."""
     most_samples, most_seconds = experiment.top_up_ceilings.get(str(cell["mode"]), (math.inf, math.inf))
-    return float(cell["primary_n"] or 0) < most_samples and float(cell["duration_s"] or 0.0) < most_seconds
+    samples, seconds = float(cell["primary_n"] or 0), float(cell["duration_s"] or 0.0)
+    return samples < most_samples and (seconds < most_seconds or samples < MIN_VALUES)
 
 
 def _groups(closed: pd.DataFrame) -> list[tuple[tuple[str, int, int], list[dict[str, Any]]]]:
