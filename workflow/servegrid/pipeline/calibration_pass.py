@@ -116,7 +116,7 @@ def calibrate(
     probes: list[Probe] = []
     refused = None
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    session_started = time.monotonic()
     try:
         # Up first, so that each probe's job time is a reused server's, as for every cell but a run's first.
         with server.lease(configuration, runtime):
@@ -135,7 +135,7 @@ def calibrate(
     except EngineRefused as exc:
         # The engine refuses this configuration (it died of the same error at its first request on two starts), so
         # the run will write its cells as refused: what that costs is the two starts, then a job start per cell.
-        refused, startup_s = exc.reason, time.monotonic() - started
+        refused, startup_s = exc.reason, time.monotonic() - session_started
     finally:
         server.stop(configuration, runtime, reason="calibration done")
     if refused:
