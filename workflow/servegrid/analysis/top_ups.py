@@ -81,7 +81,7 @@ def below_ceiling(experiment: Experiment, cell: Mapping[str, Any]) -> bool:
     limit stopped before it had a median (MIN_VALUES): the precision policy would leave it without one, and its group
     without a verdict; it is topped up (within the rounds) until it has one."""
     most_samples, most_seconds = experiment.top_up_ceilings.get(str(cell["mode"]), (math.inf, math.inf))
-    samples, seconds = float(cell["primary_n"] or 0), float(cell["duration_s"] or 0.0)
+    samples, seconds = (float(cell[key]) if pd.notna(cell[key]) else 0.0 for key in ("primary_n", "duration_s"))
     return samples < most_samples and (seconds < most_seconds or samples < MIN_VALUES)
 
 
