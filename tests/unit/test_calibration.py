@@ -182,3 +182,20 @@ def test_an_open_loop_grid_probes_its_shortest_schedule_as_the_grid_has_it():
     assert calibration_pass.probe_settings(traffic, probe) == traffic.cell_settings(probe) | {"calibration": True}
     limit = calibration_pass.time_limit_s(traffic, "ngram")
     assert limit > traffic.operations.startup_timeout_s + schedules[probe.id] + traffic.operations.request_timeout_s
+
+
+def test_an_open_loop_grid_is_priced_by_its_schedule_with_its_calibrations_costs(tmp_path, monkeypatch):
+    """`make demo-traffic`'s calibration probes a trace cell (context 0); the estimate prices every open-loop cell by
+    its schedule and takes the start and a job's own cost from the calibration (it divided by the trace's context
+    0 before, 2026-12-08)."""
+    monkeypatch.chdir(tmp_path)
+    traffic = Experiment(yaml.safe_load((REPO / "config" / "cpu-traffic-demo.yaml").read_text()))
+    (cell,) = calibration_pass.probe_cells(traffic, "ngram")
+    probe = Probe(cell.mode, cell.context, 1, rounds=30, measuring_s=6.0, job_s=8.0, values=[0.1] * 30)
+    at = "2026-12-08T01:00:00+00:00"
+    calibration = Calibration("ngram", spec_hash(traffic.launch_spec("ngram")), at, 80.0, 2.5, [probe])
+    est = estimate.estimate(traffic, None, {"ngram": calibration})
+    priced = [c for c in est.cells if c.cell.configuration == "ngram"]
+    assert priced and {c.basis for c in priced} == {"the arrival schedule"}
+    assert {c.overhead for c in priced} == {calibrated.job_overhead(calibration)}
+    assert est.startup["ngram"] == calibrated.startup(calibration)

@@ -37,8 +37,8 @@ def nearest_probe(calibration: Calibration, cell: CellSpec) -> Probe | None:
     own = [p for p in calibration.probes if p.mode == cell.mode and p.values]
     if not own:
         return None
-    sessions = cell.sessions or 1
-    return min(own, key=lambda p: abs(math.log(p.context / cell.context)) + abs(math.log(p.concurrency / sessions)))
+    sessions, context = cell.sessions or 1, max(cell.context, 1)  # a trace's cells have context 0
+    return min(own, key=lambda p: abs(math.log(max(p.context, 1) / context)) + abs(math.log(p.concurrency / sessions)))
 
 
 def cell_estimate(
@@ -55,8 +55,10 @@ def cell_estimate(
         # two starts, servegrid.serving.server): a job's own cost, no measuring.
         return CellEstimate(cell, ZERO, job_overhead(calibration), "refused by its engine (calibration)")
     rule = experiment.sampling_rules.get(cell.mode)
+    if rule is None or cell.open_loop:
+        return None
     probe = nearest_probe(calibration, cell)
-    if probe is None or rule is None or cell.open_loop:
+    if probe is None:
         return None
     probed = CellSpec(cell.configuration, cell.mode, probe.context, Sessions(probe.concurrency))
     # The token costs' ratio at the assumed speeds: what the probe's round time becomes at this cell's lengths.
