@@ -154,8 +154,9 @@ def last_round():
 
 
 def decision_rule(wildcards):
-    """What a round's decisions depend on beyond its cells: the tie band, each mode's ceiling (a cell there is not
-    topped up), and whether it is the last round (so that more rounds rerun only the round that was the last)."""
+    """What a round's decisions depend on beyond its cells: the tie band, each mode's ceiling (a cell there is
+    not topped up), and whether it is the last round (more rounds rerun only the round that was the last).
+    """
     return canonical_json(
         {
             "min_factor": EXPERIMENT.verdict.min_factor,

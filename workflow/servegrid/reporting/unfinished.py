@@ -4,6 +4,7 @@ Snakemake's list of failed jobs. In English, like the terminal summary."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -40,10 +41,10 @@ def text(experiment: Experiment, runtime: Runtime, owner: procs.ProcessRef | Non
     ]
     for configuration, cells in left.items():
         total = len(experiment.cells(configuration))
-        why = _why(cells, runtime, owner, lambda c: paths.CELL_LOG_PATTERN.format(**_wildcards(c)))
+        why = _why(cells, runtime, owner, _cell_log)
         lines.append(f"  {configuration}: {len(cells)} of {total} cells not measured; {why}")
     for (round_, configuration), cells in top_ups_left.items():
-        why = _why(cells, runtime, owner, lambda c, k=round_: paths.TOP_UP_LOG_PATTERN.format(**_wildcards(c), round=k))
+        why = _why(cells, runtime, owner, functools.partial(_top_up_log, round_))
         lines.append(f"  {configuration}: {len(cells)} top-up(s) of round {round_} not measured; {why}")
     return "\n".join(lines)
 
@@ -82,6 +83,14 @@ def _why(
     # A cell that only repeats an earlier cell's failure says less than that cell.
     first_hand = [s for s in said if not s.startswith(REPEATED)]
     return (first_hand or said or ["not reached (the run stopped first, or these jobs did not run)"])[0]
+
+
+def _cell_log(cell: CellSpec) -> str:
+    return paths.CELL_LOG_PATTERN.format(**_wildcards(cell))
+
+
+def _top_up_log(round_: int, cell: CellSpec) -> str:
+    return paths.TOP_UP_LOG_PATTERN.format(**_wildcards(cell), round=round_)
 
 
 def _wildcards(cell: CellSpec) -> dict[str, object]:
