@@ -265,6 +265,12 @@ def synthetic_cell_of(root: Path, cell: Any, **timings: Any) -> None:
     synthetic_cell(root / cell.path, cell.configuration, cell.mode, cell.context, cell.sessions, **timings)
 
 
+def synthetic_top_up_of(root: Path, cell: Any, round_: int, **timings: Any) -> None:
+    """:func:`synthetic_cell` for round ``round_``'s top-up of a grid cell, at its top-up path under ``root``."""
+    path = root / cell.top_up_path(round_)
+    synthetic_cell(path, cell.configuration, cell.mode, cell.context, cell.sessions, **timings, top_up_round=round_)
+
+
 def copy_workflow(dest: Path) -> Path:
     """The repository's files copied to ``dest``, the engines' environments linked (servegrid.testing.workflow_copy)."""
     from servegrid.testing.workflow_copy import copy_workflow as copy

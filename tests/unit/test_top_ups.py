@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from helpers import REPO, synthetic_cell, synthetic_cell_of, with_changes
+from helpers import REPO, synthetic_cell, synthetic_cell_of, synthetic_top_up_of, with_changes
 from servegrid.analysis import aggregation, top_ups
 from servegrid.analysis.measured_run import measured_run
 from servegrid.analysis.requests_table import load_cells
@@ -98,17 +98,7 @@ def test_a_top_up_of_a_cell_measured_again_since_is_set_aside_not_pooled(tmp_pat
     cell = experiment.cells()[0]
     synthetic_cell(tmp_path / cell.path, cell.configuration, cell.mode, cell.context, 1, ttft_s=0.1, interval_s=0.005)
     # Measured with another output length than the cell's file says: not the same cell's repeat.
-    synthetic_cell(
-        tmp_path / cell.top_up_path(1),
-        cell.configuration,
-        cell.mode,
-        cell.context,
-        1,
-        ttft_s=0.1,
-        interval_s=0.005,
-        output_tokens=16,
-        top_up_round=1,
-    )
+    synthetic_top_up_of(tmp_path, cell, 1, ttft_s=0.1, interval_s=0.005, output_tokens=16)
     with pytest.raises(CellFileError, match=r"top-up of .* other settings"):
         load_cells([cell.path], [cell.top_up_path(1)])
     assert (tmp_path / cell.path).exists()
@@ -276,18 +266,15 @@ def test_the_report_says_per_group_how_sampling_stopped_and_the_top_ups_the_run_
     first = top_ups.decide_round(experiment, 1, top_ups.CellFiles(cells, []), tmp_path / "round1.json")
     topped = [c for c in experiment.cells() if c.id in first["top_up"]]
     for cell in topped:
-        synthetic_cell(
-            tmp_path / cell.top_up_path(1),
-            cell.configuration,
-            cell.mode,
-            cell.context,
+        synthetic_top_up_of(
+            tmp_path,
+            cell,
             1,
             requests=8,
             ttft_s=0.2,
             interval_s=0.002,
             spread=0.5,
             hit_rate=0.94 if cell.configuration == "prefix_cache" else None,
-            top_up_round=1,
         )
     files = top_ups.CellFiles(cells, [c.top_up_path(1) for c in topped])
     last = top_ups.decide_round(experiment, 2, files, tmp_path / "round2.json")
